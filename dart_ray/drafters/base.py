@@ -1,0 +1,93 @@
+"""The drafter interface: propose a token tree per running sequence, observe what was accepted.
+
+Every drafting method (DART, N-gram-only, none; later EAGLE-style, Medusa, draft model) implements
+:class:`Drafter`. The engine owns the rows (one per running request, compacted to ``0..B-1``) and
+tells the drafter about row lifecycle; the drafter owns whatever per-row state it needs (its KV
+cache, pending context).
+
+Step protocol (rows ``0..B-1`` are the running requests)::
+
+    prefill(rows, ...)         new requests joined at ``rows`` (after the target prefilled them)
+    tree = propose(view)       draft for every running row
+    ... target verifies, acceptance picks a path ...
+    observe(view, ...)         what was committed this step (and the target taps of it)
+    move_row(src, dst)         compaction when a request leaves
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dart_ray.config import DecodingConfig
+from dart_ray.tree import TokenTree
+
+
+@dataclass
+class BatchView:
+    """What a drafter may read about the running batch (rows ``0..B-1``)."""
+
+    roots: torch.Tensor            # [B] int64 next root token per row (chosen, not yet in the target cache)
+    lengths: list[int]             # committed target tokens per row
+    tokens: np.ndarray             # [B_max, S_max] int64 committed token ids (row r valid up to lengths[r])
+    decoding: DecodingConfig       # current runtime knobs
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.roots.shape[0])
+
+
+class Drafter(abc.ABC):
+    """One drafting method. Subclasses set ``name`` and ``taps``."""
+
+    name: str = "base"
+    taps: tuple[int, ...] = ()
+    """Target layers whose input residual the drafter needs (captured in the verify forward)."""
+
+    max_depth: int = 0
+    """Deepest level this drafter can propose (the chunk length is capped to it)."""
+
+    def __init__(self) -> None:
+        self.tree_time_s = 0.0
+        """Cumulative seconds spent building trees (the rest of propose() counts as drafting)."""
+
+    def allocate(self, max_batch: int, max_seq_len: int) -> None:
+        """Allocate per-row state for up to ``max_batch`` rows (called once by the engine)."""
+
+    def prefill(self, rows: slice, prompt_lens: list[int], taps: torch.Tensor | None,
+                next_tokens: torch.Tensor) -> None:
+        """Rows ``rows`` were prefilled. taps: [n, T, nT*H] target taps at the prompt positions
+        (None if ``self.taps`` is empty); next_tokens: [n, T] the token following each position
+        (prompt shifted by one, then the first generated token at position len-1)."""
+
+    @abc.abstractmethod
+    def propose(self, view: BatchView) -> TokenTree:
+        """Return a tree per running row, rooted at ``view.roots``."""
+
+    def observe(self, view: BatchView, num_committed: list[int], taps: torch.Tensor | None,
+                next_tokens: torch.Tensor) -> None:
+        """The last step committed ``num_committed[b]`` tokens to row b (root + accepted drafts).
+
+        taps: [B, A, nT*H] the target's taps at those positions (padded to A = max committed);
+        next_tokens: [B, A] the token that follows each committed position (the accepted drafts
+        shifted by one, then the new root). ``view`` already reflects the new state.
+        """
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row ``src`` moves to ``dst`` (compaction after a request left)."""
+
+    def release_row(self, row: int) -> None:
+        """Row ``row`` is free."""
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding through the same engine: every tree is just the root."""
+
+    name = "none"
+
+    def propose(self, view: BatchView) -> TokenTree:
+        from dart_ray.tree import empty_tree
+        return empty_tree(view.roots)

@@ -1,0 +1,143 @@
+"""DART drafting: one drafter forward per step yields d distributions; an N-gram-pruned beam
+search turns them into a token tree (see ``dart_ray.tree.search``).
+
+Per-row state: the drafter's own KV cache over context positions, and *pending* context — the
+positions the target committed since the last drafter forward, with their taps and next tokens.
+``propose`` runs the drafter over [pending context, d-1 mask slots] in one forward: it appends the
+pending context to the drafter cache (committed) and reads the d level distributions; mask-slot
+KV is written to scratch slots and never committed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dart_ray.drafters.base import BatchView, Drafter
+from dart_ray.drafters.dart_model import DartModel
+from dart_ray.kv_cache import KVCache
+from dart_ray.masks import attention_mask
+from dart_ray.tree import TokenTree
+
+
+class DartDrafter(Drafter):
+    name = "dart"
+
+    def __init__(self, model: DartModel, embed: torch.nn.Embedding, head_weight: torch.Tensor,
+                 ngram=None) -> None:
+        super().__init__()
+        self.model = model
+        self.embed = embed                    # the target's (frozen, shared) embedding
+        self.cfg = model.cfg
+        self.taps = model.cfg.tap_layers
+        self.max_depth = model.cfg.depth
+        if model.cfg.tie_head:
+            self.head_weight = head_weight    # [V, H] target LM head (shared, not copied)
+        else:
+            self.head_weight = None
+        self.ngram = ngram
+        self.cache: KVCache | None = None
+        self.pending: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+
+    def allocate(self, max_batch: int, max_seq_len: int) -> None:
+        c = self.cfg
+        w = self.model.fc.weight
+        self.cache = KVCache(1, max_batch, c.num_kv_heads, max_seq_len, c.head_dim, w.dtype, w.device)
+        self.pending = [None] * max_batch
+
+    # ---- state updates ----------------------------------------------------------------------
+    def _set_pending(self, row: int, taps: torch.Tensor, nxt: torch.Tensor) -> None:
+        """taps [P, nT*H], nxt [P]: append to the row's pending context (precomputed layer inputs)."""
+        h, resid = self.model.context_inputs(taps, self.embed(nxt))  # [P, 2H], [P, H]
+        prev = self.pending[row]
+        if prev is not None:
+            h, resid = torch.cat([prev[0], h]), torch.cat([prev[1], resid])
+        self.pending[row] = (h, resid)
+
+    def prefill(self, rows, prompt_lens, taps, next_tokens) -> None:
+        for i, n in enumerate(prompt_lens):
+            r = rows.start + i
+            self.cache.reset_row(r)
+            self.pending[r] = None
+            self._set_pending(r, taps[i, :n], next_tokens[i, :n])
+
+    def observe(self, view, num_committed, taps, next_tokens) -> None:
+        for b, n in enumerate(num_committed):
+            self._set_pending(b, taps[b, :n], next_tokens[b, :n])
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst)
+        self.pending[dst], self.pending[src] = self.pending[src], None
+
+    def release_row(self, row: int) -> None:
+        self.cache.reset_row(row)
+        self.pending[row] = None
+
+    # ---- drafting ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft_logits(self, B: int, depth: int) -> torch.Tensor:
+        """One drafter forward over rows 0..B-1 -> [B, depth, V] float32 level logits."""
+        from torch.nn.utils.rnn import pad_sequence
+
+        M = depth - 1
+        pend = [self.pending[b] for b in range(B)]
+        if any(p is None for p in pend):
+            raise RuntimeError("DART drafter has no pending context for a running row")
+        P_b = [p[0].shape[0] for p in pend]
+        P = max(P_b)
+        h_ctx = pad_sequence([p[0] for p in pend], batch_first=True)      # [B, P, 2H]
+        r_ctx = pad_sequence([p[1] for p in pend], batch_first=True)      # [B, P, H]
+        h_m, r_m = self.model.mask_inputs((B, M))                          # [B, M, 2H], [B, M, H]
+        h = torch.cat([h_ctx, h_m], dim=1)                                 # [B, T, 2H]
+        resid = torch.cat([r_ctx, r_m], dim=1)                             # [B, T, H]
+        T = P + M
+        dev = h.device
+        starts = self.cache.lengths[:B]
+        plen = torch.tensor(P_b, device=dev)[:, None]                      # [B, 1]
+        t = torch.arange(T, device=dev)[None, :]                           # [1, T]
+        is_mask = t >= P                                                   # [1, T]
+        # positions: context j -> start+j; mask slot m (1..M) -> start + P_b - 1 + m
+        base = torch.tensor(starts, device=dev)[:, None]
+        positions = torch.where(is_mask, base + plen - 1 + (t - P + 1), base + t.clamp(max=P - 1))
+        positions = torch.minimum(positions, base + plen - 1 + M)          # pads: any in-range position
+        # visibility inside the new block: causal over real context and within the mask block
+        q = torch.arange(T, device=dev)[:, None]
+        k = torch.arange(T, device=dev)[None, :]
+        causal = k <= q                                                    # [T, T]
+        k_real = (k < plen[:, :, None]) | (k >= P)                         # [B, 1, T] keys that exist
+        anc = causal & k_real                                              # [B, T, T]
+        anc = anc | torch.eye(T, dtype=torch.bool, device=dev)             # pads see themselves
+        s_used = self.cache.begin_write(slice(0, B), T, starts)
+        mask = attention_mask(starts, anc, s_used, h.dtype)
+        hidden = self.model.layer(h, resid, positions, mask, self.cache, s_used)  # [B, T, H]
+        sel = torch.cat([plen - 1, P + torch.arange(M, device=dev)[None, :].expand(B, M)], dim=1)  # [B, d]
+        hsel = torch.gather(hidden, 1, sel.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))        # [B, d, H]
+        logits = self.model.logits(hsel, self.head_weight).float()        # [B, d, Vd]
+        self.cache.commit_all(slice(0, B), P_b)
+        for b in range(B):
+            self.pending[b] = None
+        if self.cfg.draft_vocab is not None:
+            full = logits.new_full((B, depth, self.cfg.target_vocab), float("-inf"))
+            logits = full.scatter_(2, self.model.d2t.expand(B, depth, -1), logits)
+        return logits
+
+    def propose(self, view: BatchView) -> TokenTree:
+        from dart_ray.tree.search import build_trees
+
+        cfg = view.decoding
+        depth = min(cfg.chunk_len, self.max_depth)
+        B = view.batch_size
+        logits = self.draft_logits(B, depth)
+        t0 = time.perf_counter()
+        order = getattr(self.ngram, "order", 3)
+        c = max(order - 2, 1)
+        ctx = torch.full((B, c), -1, dtype=torch.long)
+        for b in range(B):
+            n = view.lengths[b]
+            tail = view.tokens[b, max(0, n - c):n]
+            if len(tail):
+                ctx[b, c - len(tail):] = torch.from_numpy(tail)
+        tree = build_trees(view.roots, logits, cfg, context=ctx, ngram=self.ngram)
+        self.tree_time_s += time.perf_counter() - t0
+        return tree

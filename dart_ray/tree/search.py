@@ -1,0 +1,352 @@
+"""N-gram-pruned beam search that turns one DART drafter forward into a draft tree.
+
+Inputs per sequence ``b``: the root token (already chosen by the target), the drafter's ``d``
+per-level logits (level ``l`` predicts the token ``l + 1`` positions after the root; all levels come
+from ONE forward, so the level-``l`` distribution is the same for every path), the last committed
+tokens (N-gram context) and optionally an N-gram scorer.
+
+Algorithm (vectorised over the batch, the beams and the candidates; the only Python loop is over
+the ``d`` levels):
+
+1. ``d = min(cfg.chunk_len, draft_logits.shape[1])``, ``k = min(cfg.top_k, V)``. One ``topk`` over
+   the vocabulary for all levels: ``[B, d, V] -> [B, d, k]`` (an exact two-stage block-max topk for
+   large V, see :func:`_topk_last`); ``p_draft`` is the softmax over those
+   ``k`` logits (renormalised). A candidate whose logit is ``-inf`` (masked token) gets score
+   ``-inf`` and is never put in the tree.
+2. Level 0: the ``k`` candidates are children of the root with score
+   ``ln(p_draft + eps)`` (level weight ``1**-a = 1``, logit weight ``b**0 = 1``; the N-gram term is
+   skipped at level 0, as in DART). The best ``beam_width`` become beams.
+3. Level ``l >= 1``: every beam expands all ``k`` candidates of level ``l``::
+
+       child = parent + (l+1)**-a * (b**l * ln(p_draft + eps) + ngram_weight * ln(p_ngram + eps))
+
+   where ``p_ngram = ngram.prob(last order-1 tokens of (context + root + beam path), candidate)``.
+   The N-gram lookups of all ``B * beams * k`` expansions of a level are ONE ``prob()`` call. The
+   N-gram term is dropped entirely when ``ngram is None`` or ``ngram_weight == 0``. The best
+   ``beam_width`` children (by score) become the next beams.
+4. Every expansion of every level is a pool node ``(level, token, parent, score)``. The tree is the
+   best ``tree_budget`` pool nodes.
+
+Prefix closure (choice made here, deterministic): nodes are ranked by the *effective* score
+``eff(node) = min(score(node), eff(parent))`` (the path minimum), ties broken by pool id, which is
+level-major, so a parent always has a smaller pool id than its children. Hence a parent ranks
+strictly before each of its children and the top-``tree_budget`` set is prefix-closed by
+construction (no orphan removal needed). Every log term is ``<= ln(1 + eps)``, so scores are
+non-increasing along a path up to ``eps``-sized noise; whenever they are, ``eff == score`` and the
+selection is exactly "top ``tree_budget`` by score". Only a child that scores above its parent
+(``p ~ 1`` + eps, ties) is capped to its parent's score, i.e. it is kept only if its parent is.
+A runtime check still verifies closure and raises if it were ever violated.
+
+Duplicate siblings cannot occur: the children of one parent are the ``k`` distinct ``topk`` indices
+of a single distribution, and every beam is a distinct pool node.
+
+Output: a :class:`~dart_ray.tree.tree.TokenTree` with ``1 + N`` nodes, ``N`` = the largest number
+of valid nodes over the batch (``<= tree_budget``). Draft nodes are ordered by (depth ascending,
+score descending, pool id ascending), so parents precede children; rows with fewer valid nodes are
+padded (``valid=False``, parent 0, depth 1, token 0).
+:func:`build_trees_with_scores` also returns the node scores ``[B, 1+N]`` (root 0, padding
+``-inf``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from dart_ray.config import DecodingConfig
+from dart_ray.tree.tree import TokenTree
+
+__all__ = ["NGramScorer", "build_trees", "build_trees_with_scores"]
+
+_NEG_INF = float("-inf")
+
+
+@runtime_checkable
+class NGramScorer(Protocol):
+    """What the tree search needs from an N-gram model.
+
+    ``order`` is the N-gram order (context length ``order - 1``). ``prob(ctx, tokens, min_count)``
+    takes ``ctx: [M, order-1] int64`` (oldest token first; ``-1`` = no token) and
+    ``tokens: [M] int64`` and returns ``[M]`` probabilities ``P(token | ctx)`` (0 for unseen),
+    ignoring counts below ``min_count``.
+    """
+
+    order: int
+
+    def prob(self, ctx: np.ndarray, tokens: np.ndarray, min_count: int) -> np.ndarray: ...
+
+
+def build_trees(
+    roots: torch.Tensor,
+    draft_logits: torch.Tensor,
+    cfg: DecodingConfig,
+    context: torch.Tensor | None = None,
+    ngram: NGramScorer | None = None,
+) -> TokenTree:
+    """Draft trees for a batch; see the module docstring. Shapes as in :func:`build_trees_with_scores`."""
+    tree, _ = build_trees_with_scores(roots, draft_logits, cfg, context=context, ngram=ngram)
+    return tree
+
+
+def build_trees_with_scores(
+    roots: torch.Tensor,
+    draft_logits: torch.Tensor,
+    cfg: DecodingConfig,
+    context: torch.Tensor | None = None,
+    ngram: NGramScorer | None = None,
+) -> tuple[TokenTree, torch.Tensor]:
+    """Draft trees plus node scores.
+
+    Args:
+        roots: ``[B]`` int64 root tokens.
+        draft_logits: ``[B, D, V]`` float drafter logits; level 0 predicts the token after the root.
+            Only the first ``min(cfg.chunk_len, D)`` levels are used.
+        cfg: decoding knobs (``chunk_len, top_k, beam_width, tree_budget, ngram_weight,
+            ngram_min_count, level_weight_exp, logit_weight_base, eps``).
+        context: ``[B, c]`` int64 last committed tokens before the root (``-1`` = none); only used
+            for N-gram contexts. ``None`` = no context.
+        ngram: N-gram scorer, or ``None`` to disable the N-gram term.
+
+    Returns:
+        ``(tree, scores)``: ``tree`` has ``[B, 1+N]`` tensors, ``N <= cfg.tree_budget``;
+        ``scores`` is ``[B, 1+N]`` float32 (root 0, padding ``-inf``).
+    """
+    # ---------------------------------------------------------------- validation
+    if not isinstance(cfg, DecodingConfig):
+        raise TypeError(f"cfg must be a DecodingConfig, got {type(cfg).__name__}")
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [B, d, V], got shape {tuple(draft_logits.shape)}")
+    if not draft_logits.is_floating_point():
+        raise ValueError(f"draft_logits must be floating point, got {draft_logits.dtype}")
+    B, D, V = draft_logits.shape
+    if D < 1 or V < 1:
+        raise ValueError(f"draft_logits needs >= 1 level and >= 1 vocab entry, got {(B, D, V)}")
+    if roots.shape != (B,):
+        raise ValueError(f"roots must be [B]={[B]}, got shape {tuple(roots.shape)}")
+    if roots.is_floating_point() or roots.dtype == torch.bool:
+        raise ValueError(f"roots must be an integer tensor, got {roots.dtype}")
+    if context is not None:
+        if context.dim() != 2 or context.shape[0] != B:
+            raise ValueError(f"context must be [B={B}, c], got shape {tuple(context.shape)}")
+        if context.is_floating_point() or context.dtype == torch.bool:
+            raise ValueError(f"context must be an integer tensor, got {context.dtype}")
+    use_ngram = ngram is not None and cfg.ngram_weight > 0.0
+    o1 = 0  # N-gram context length (order - 1)
+    if use_ngram:
+        order = getattr(ngram, "order", None)
+        if not isinstance(order, (int, np.integer)) or int(order) < 1:
+            raise ValueError(f"ngram.order must be an int >= 1, got {order!r}")
+        o1 = int(order) - 1
+
+    dev = draft_logits.device
+    roots = roots.to(device=dev, dtype=torch.long)  # [B]
+    if B == 0:
+        empty_l = torch.empty((0, 1), dtype=torch.long, device=dev)
+        tree = TokenTree(tokens=empty_l, parents=empty_l.clone(), depths=empty_l.clone(),
+                         valid=torch.empty((0, 1), dtype=torch.bool, device=dev))
+        return tree, torch.empty((0, 1), dtype=torch.float32, device=dev)
+
+    d = min(cfg.chunk_len, D)
+    k = min(cfg.top_k, V)
+    W = cfg.beam_width
+    eps = cfg.eps
+    a = cfg.level_weight_exp
+    lvl_w = [(l + 1) ** (-a) for l in range(d)]  # level weight (l+1)^-a
+    draft_w = torch.tensor([lvl_w[l] * cfg.logit_weight_base ** l for l in range(d)],
+                           dtype=torch.float32, device=dev)  # [d]
+
+    # ---------------------------------------------------------------- per-level candidates
+    top_v, top_i = _topk_last(draft_logits[:, :d], k)         # [B, d, k] each, sorted desc
+    top_v = top_v.float()                                      # [B, d, k]
+    if bool((torch.isnan(top_v) | torch.isposinf(top_v)).any()):
+        raise ValueError("draft_logits contain NaN or +inf")
+    finite = top_v > _NEG_INF                                  # [B, d, k]
+    p_draft = torch.softmax(top_v, dim=-1)                     # [B, d, k] (NaN if a level is all -inf)
+    p_draft = torch.where(finite, p_draft, torch.zeros_like(p_draft))  # [B, d, k]
+    d_inc = torch.log(p_draft + eps) * draft_w[None, :, None]  # [B, d, k] draft term per level
+    d_inc = d_inc.masked_fill(~finite, _NEG_INF)               # [B, d, k]
+
+    # N-gram tail of the committed text + root: last o1 tokens, left-padded with -1.
+    if use_ngram:
+        if context is None:
+            hist = roots[:, None]                                            # [B, 1]
+        else:
+            hist = torch.cat([context.to(device=dev, dtype=torch.long), roots[:, None]], 1)  # [B, c+1]
+        if hist.shape[1] < o1:
+            pad = torch.full((B, o1 - hist.shape[1]), -1, dtype=torch.long, device=dev)  # [B, pad]
+            hist = torch.cat([pad, hist], 1)                                 # [B, >=o1]
+        base_tail = hist[:, hist.shape[1] - o1:]                             # [B, o1]
+
+    # ---------------------------------------------------------------- pool (level-major)
+    # Pool slot 0 is the root; pool node with id i lives in slot i + 1.
+    pool_tok: list[torch.Tensor] = []    # per level [B, n_l] int64
+    pool_par: list[torch.Tensor] = []    # per level [B, n_l] parent slot
+    pool_score: list[torch.Tensor] = []  # per level [B, n_l] float32
+    pool_eff: list[torch.Tensor] = []    # per level [B, n_l] path-min score
+    pool_sizes: list[int] = []
+
+    # Level 0: children of the root, no N-gram term.
+    s0 = d_inc[:, 0]                                                     # [B, k]
+    tok0 = top_i[:, 0]                                                   # [B, k]
+    pool_tok.append(tok0)
+    pool_par.append(torch.zeros((B, k), dtype=torch.long, device=dev))   # [B, k] parent = root slot
+    pool_score.append(s0)
+    pool_eff.append(s0)
+    pool_sizes.append(k)
+
+    if d > 1:
+        nb = min(W, k)
+        bidx = torch.sort(s0, dim=1, descending=True, stable=True).indices[:, :nb]  # [B, nb]
+        beam_score = s0.gather(1, bidx)                                  # [B, nb]
+        beam_eff = beam_score                                            # [B, nb]
+        beam_slot = bidx + 1                                             # [B, nb] pool slot
+        beam_tok = tok0.gather(1, bidx)                                  # [B, nb]
+        if use_ngram:
+            beam_tail = _push(base_tail[:, None, :].expand(B, nb, o1), beam_tok, o1)  # [B, nb, o1]
+    offset = k  # pool nodes so far
+
+    for l in range(1, d):
+        cand_tok = top_i[:, l]                                           # [B, k]
+        inc = d_inc[:, l][:, None, :]                                    # [B, 1, k]
+        if use_ngram:
+            ctx = beam_tail[:, :, None, :].expand(B, nb, k, o1).reshape(B * nb * k, o1)  # [B*nb*k, o1]
+            toks = cand_tok[:, None, :].expand(B, nb, k).reshape(-1)              # [B*nb*k]
+            p_ng = _ngram_prob(ngram, ctx, toks, cfg.ngram_min_count)             # [B*nb*k]
+            ng_w = lvl_w[l] * cfg.ngram_weight
+            inc = inc + ng_w * torch.log(p_ng.to(dev).view(B, nb, k) + eps)      # [B, nb, k]
+        child = beam_score[:, :, None] + inc                             # [B, nb, k]
+        child_eff = torch.minimum(child, beam_eff[:, :, None])           # [B, nb, k]
+        n_l = nb * k
+        child = child.reshape(B, n_l)                                    # [B, nb*k]
+        child_tok = cand_tok[:, None, :].expand(B, nb, k).reshape(B, n_l)  # [B, nb*k]
+        pool_tok.append(child_tok)
+        pool_par.append(beam_slot[:, :, None].expand(B, nb, k).reshape(B, n_l))  # [B, nb*k]
+        pool_score.append(child)
+        pool_eff.append(child_eff.reshape(B, n_l))
+        pool_sizes.append(n_l)
+
+        if l < d - 1:  # next beams
+            nb2 = min(W, n_l)
+            cidx = torch.sort(child, dim=1, descending=True, stable=True).indices[:, :nb2]  # [B, nb2]
+            beam_score = child.gather(1, cidx)                           # [B, nb2]
+            beam_eff = pool_eff[-1].gather(1, cidx)                      # [B, nb2]
+            beam_slot = cidx + (offset + 1)                              # [B, nb2]
+            beam_tok = child_tok.gather(1, cidx)                         # [B, nb2]
+            if use_ngram:
+                par_beam = torch.div(cidx, k, rounding_mode="floor")     # [B, nb2] index into old beams
+                par_tail = beam_tail.gather(1, par_beam[:, :, None].expand(B, nb2, o1))  # [B, nb2, o1]
+                beam_tail = _push(par_tail, beam_tok, o1)                # [B, nb2, o1]
+            nb = nb2
+        offset += n_l
+
+    # ---------------------------------------------------------------- selection
+    P = offset
+    tok_all = torch.cat(pool_tok, 1)      # [B, P]
+    par_all = torch.cat(pool_par, 1)      # [B, P] parent slot (0 = root)
+    score_all = torch.cat(pool_score, 1)  # [B, P]
+    eff_all = torch.cat(pool_eff, 1)      # [B, P]
+    lvl_all = torch.repeat_interleave(
+        torch.arange(d, device=dev), torch.tensor(pool_sizes, device=dev))  # [P]
+
+    n = min(cfg.tree_budget, P)
+    sel = torch.sort(eff_all, dim=1, descending=True, stable=True).indices[:, :n]  # [B, n] pool ids
+    sel_valid = eff_all.gather(1, sel) > _NEG_INF                        # [B, n] (valid ones first)
+    n_out = int(sel_valid.sum(1).max())
+    sel = sel[:, :n_out]                                                 # [B, N]
+    sel_valid = sel_valid[:, :n_out]                                     # [B, N]
+
+    # Output order: depth asc, score desc, pool id asc; padding last. Three stable sorts, least
+    # significant key first.
+    sel = torch.sort(sel, dim=1).values                                  # [B, N] pool id asc
+    sel_score = score_all.gather(1, sel)                                 # [B, N]
+    perm = torch.sort(sel_score, dim=1, descending=True, stable=True).indices  # [B, N]
+    sel = sel.gather(1, perm)                                            # [B, N]
+    sel_valid = eff_all.gather(1, sel) > _NEG_INF                        # [B, N]
+    depth_key = torch.where(sel_valid, lvl_all[sel], torch.full_like(sel, d))  # [B, N]
+    perm = torch.sort(depth_key, dim=1, stable=True).indices             # [B, N]
+    sel = sel.gather(1, perm)                                            # [B, N] final order
+    sel_valid = sel_valid.gather(1, perm)                                # [B, N]
+
+    # Map pool slots to output positions with one scatter; unselected slots stay -1.
+    pos = torch.full((B, 1 + P), -1, dtype=torch.long, device=dev)       # [B, 1+P]
+    pos[:, 0] = 0
+    out_pos = torch.arange(1, n_out + 1, device=dev).expand(B, n_out)    # [B, N]
+    pos.scatter_(1, sel + 1, out_pos)
+    parents = pos.gather(1, par_all.gather(1, sel))                      # [B, N]
+    if not bool((parents[sel_valid] >= 0).all()):
+        raise RuntimeError("internal error: selected draft tree is not prefix-closed")
+
+    tokens = tok_all.gather(1, sel)                                      # [B, N]
+    depths = lvl_all[sel] + 1                                            # [B, N]
+    scores = score_all.gather(1, sel)                                    # [B, N]
+    zero = torch.zeros_like(tokens)
+    one = torch.ones_like(tokens)
+    tokens = torch.where(sel_valid, tokens, zero)
+    parents = torch.where(sel_valid, parents, zero)
+    depths = torch.where(sel_valid, depths, one)
+    scores = scores.masked_fill(~sel_valid, _NEG_INF)
+
+    col = torch.ones((B, 1), dtype=torch.bool, device=dev)               # [B, 1]
+    tree = TokenTree(
+        tokens=torch.cat([roots[:, None], tokens], 1),                   # [B, 1+N]
+        parents=torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), parents], 1),
+        depths=torch.cat([torch.zeros((B, 1), dtype=torch.long, device=dev), depths], 1),
+        valid=torch.cat([col, sel_valid], 1),                            # [B, 1+N]
+    )
+    out_scores = torch.cat([torch.zeros((B, 1), dtype=torch.float32, device=dev), scores], 1)
+    return tree, out_scores
+
+
+_TOPK_BLOCK = 64
+
+
+def _topk_last(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k, dim=-1)`` (sorted, descending) for ``x: [B, d, V]``, faster for large V.
+
+    Two-stage exact search: split the vocabulary into blocks of ``_TOPK_BLOCK``, take the k blocks
+    with the largest maxima, and run topk over their ``k * block`` entries (plus the ragged tail).
+    Every element above the k-th largest value t lies in a block whose max exceeds t (at most k-1
+    such blocks), and each other chosen block holds a value == t, so the k values are exact; only
+    the choice among exactly tied values may differ from a plain topk (which leaves it unspecified
+    too). A NaN makes its block's max NaN, which topk ranks first, so NaNs still surface.
+    """
+    B, d, V = x.shape
+    blk = _TOPK_BLOCK
+    nblk = V // blk
+    if V < 16 * k * blk:
+        return torch.topk(x, k, dim=-1)                                   # [B, d, k]
+    v0 = nblk * blk
+    xb = x[..., :v0].reshape(B, d, nblk, blk)                              # [B, d, nblk, blk]
+    bidx = torch.topk(xb.amax(-1), k, dim=-1).indices                      # [B, d, k] block ids
+    cand = torch.gather(xb, 2, bidx[..., None].expand(B, d, k, blk))       # [B, d, k, blk]
+    cand_i = (bidx[..., None] * blk + torch.arange(blk, device=x.device))  # [B, d, k, blk]
+    cand = cand.reshape(B, d, k * blk)                                     # [B, d, k*blk]
+    cand_i = cand_i.reshape(B, d, k * blk)                                 # [B, d, k*blk]
+    if v0 < V:  # ragged tail joins the candidates
+        tail_i = torch.arange(v0, V, device=x.device).expand(B, d, V - v0)  # [B, d, V-v0]
+        cand = torch.cat([cand, x[..., v0:]], -1)                          # [B, d, k*blk+V-v0]
+        cand_i = torch.cat([cand_i, tail_i], -1)                           # [B, d, k*blk+V-v0]
+    vals, j = torch.topk(cand, k, dim=-1)                                  # [B, d, k]
+    return vals, cand_i.gather(2, j)                                       # [B, d, k]
+
+
+def _push(tail: torch.Tensor, tok: torch.Tensor, o1: int) -> torch.Tensor:
+    """Append ``tok`` ([B, n]) to the context windows ``tail`` ([B, n, o1]), keeping the last o1."""
+    if o1 == 0:
+        return tail
+    return torch.cat([tail[:, :, 1:], tok[:, :, None]], 2)  # [B, n, o1]
+
+
+def _ngram_prob(ngram: NGramScorer, ctx: torch.Tensor, toks: torch.Tensor, min_count: int) -> torch.Tensor:
+    """One batched ``ngram.prob`` call; ctx [M, o1], toks [M] -> [M] float32 (CPU), validated."""
+    M = toks.shape[0]
+    ctx_np = np.ascontiguousarray(ctx.cpu().numpy(), dtype=np.int64)    # [M, o1]
+    tok_np = np.ascontiguousarray(toks.cpu().numpy(), dtype=np.int64)   # [M]
+    p = np.asarray(ngram.prob(ctx_np, tok_np, min_count), dtype=np.float32)  # [M]
+    if p.shape != (M,):
+        raise ValueError(f"ngram.prob returned shape {p.shape}, want {(M,)}")
+    if not bool(np.all((p >= 0.0) & (p <= 1.0))):
+        raise ValueError("ngram.prob returned values outside [0, 1] (or NaN)")
+    return torch.from_numpy(p)

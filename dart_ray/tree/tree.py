@@ -1,0 +1,143 @@
+"""A batch of token trees (one per sequence), padded to a common node count.
+
+Indexing: node 0 of every tree is the **root** (the token already chosen by the target, not yet
+in the KV cache); draft nodes are 1..N. Nodes are topologically ordered: ``parents[b, i] < i``
+for every valid draft node, so the depth-i node of any path has index >= i. Invalid (padding)
+nodes have ``valid = False``, parent 0 and depth 1; they are never accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenTree:
+    tokens: torch.Tensor   # [B, 1+N] int64; column 0 = root token
+    parents: torch.Tensor  # [B, 1+N] int64; parents[:, 0] = -1 (root has none)
+    depths: torch.Tensor   # [B, 1+N] int64; root depth 0
+    valid: torch.Tensor    # [B, 1+N] bool; root always valid
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes per tree including the root (padded count)."""
+        return self.tokens.shape[1]
+
+    def ancestors(self) -> torch.Tensor:
+        """[B, 1+N, 1+N] bool: ``anc[b, i, j]`` iff j is i or an ancestor of i."""
+        return ancestor_mask(self.parents, self.depths)
+
+    def to(self, device: torch.device | str) -> "TokenTree":
+        return TokenTree(*(t.to(device) for t in (self.tokens, self.parents, self.depths, self.valid)))
+
+    def validate(self) -> None:
+        """Raise ValueError if the structural invariants do not hold (used in tests)."""
+        B, T = self.tokens.shape
+        for name in ("parents", "depths", "valid"):
+            if getattr(self, name).shape != (B, T):
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, want {(B, T)}")
+        if not bool(self.valid[:, 0].all()) or not bool((self.parents[:, 0] == -1).all()):
+            raise ValueError("node 0 must be a valid root with parent -1")
+        if T > 1:
+            idx = torch.arange(1, T)
+            par = self.parents[:, 1:]
+            if not bool(((par >= 0) & (par < idx)).all()):
+                raise ValueError("parents must precede children (topological order)")
+            pd = torch.gather(self.depths, 1, par)
+            v = self.valid[:, 1:]
+            if not bool((self.depths[:, 1:][v] == pd[v] + 1).all()):
+                raise ValueError("depth of a node must be its parent's depth + 1")
+            pv = torch.gather(self.valid, 1, par)
+            if not bool(pv[v].all()):
+                raise ValueError("a valid node has an invalid parent (tree not prefix-closed)")
+
+
+def ancestor_mask(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """[B, T] parents -> [B, T, T] bool, ``anc[b, i, j]`` iff j == i or j is an ancestor of i.
+
+    Vectorised by pointer jumping: ``max depth`` gathers, no Python loop over nodes.
+    """
+    B, T = parents.shape
+    anc = torch.eye(T, dtype=torch.bool, device=parents.device).expand(B, T, T).clone()
+    cur = parents.clamp(min=0)  # [B, T] current ancestor pointer
+    alive = parents >= 0        # [B, T]
+    max_depth = int(depths.max()) if depths.numel() else 0
+    rows = torch.arange(B, device=parents.device)[:, None]
+    cols = torch.arange(T, device=parents.device)[None, :]
+    for _ in range(max_depth):
+        anc[rows.expand(B, T)[alive], cols.expand(B, T)[alive], cur[alive]] = True
+        nxt = torch.gather(parents, 1, cur)
+        alive = alive & (nxt >= 0)
+        cur = nxt.clamp(min=0)
+    return anc
+
+
+def empty_tree(roots: torch.Tensor) -> TokenTree:
+    """Root-only trees (plain autoregressive step). roots: [B] int64."""
+    B = roots.shape[0]
+    dev = roots.device
+    return TokenTree(
+        tokens=roots.view(B, 1).long(),
+        parents=torch.full((B, 1), -1, dtype=torch.long, device=dev),
+        depths=torch.zeros((B, 1), dtype=torch.long, device=dev),
+        valid=torch.ones((B, 1), dtype=torch.bool, device=dev),
+    )
+
+
+def chain_tree(roots: torch.Tensor, chains: torch.Tensor, lengths: torch.Tensor | None = None) -> TokenTree:
+    """Trees that are single chains: root -> chains[b, 0] -> chains[b, 1] -> ...
+
+    roots: [B]; chains: [B, K]; lengths: [B] valid chain length per row (default K).
+    """
+    B, K = chains.shape
+    dev = chains.device
+    idx = torch.arange(K + 1, device=dev)
+    parents = (idx - 1).expand(B, K + 1).clone()
+    depths = idx.expand(B, K + 1).clone()
+    if lengths is None:
+        valid = torch.ones((B, K + 1), dtype=torch.bool, device=dev)
+    else:
+        valid = idx[None, :] <= lengths.to(dev)[:, None]
+    tokens = torch.cat([roots.view(B, 1).long(), chains.long()], dim=1)
+    # padding nodes: parent root, depth 1 (never accepted, harmless in the mask)
+    parents = torch.where(valid, parents, torch.zeros_like(parents))
+    parents[:, 0] = -1
+    depths = torch.where(valid, depths, torch.ones_like(depths))
+    depths[:, 0] = 0
+    tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
+    return TokenTree(tokens=tokens, parents=parents, depths=depths, valid=valid)
+
+
+def pack_trees(roots: torch.Tensor, trees: list[tuple[list[int], list[int]]]) -> TokenTree:
+    """Pack per-row trees given as (tokens, parents) lists of draft nodes into a TokenTree.
+
+    For row b, ``tokens[i]`` is draft node i+1 and ``parents[i]`` its parent's node index
+    (0 = root); parents must precede children.
+    """
+    B = len(trees)
+    N = max((len(t) for t, _ in trees), default=0)
+    tokens = torch.zeros(B, 1 + N, dtype=torch.long)
+    parents = torch.zeros(B, 1 + N, dtype=torch.long)
+    depths = torch.ones(B, 1 + N, dtype=torch.long)
+    valid = torch.zeros(B, 1 + N, dtype=torch.bool)
+    tokens[:, 0] = roots.cpu()
+    parents[:, 0] = -1
+    depths[:, 0] = 0
+    valid[:, 0] = True
+    for b, (toks, pars) in enumerate(trees):
+        n = len(toks)
+        if n == 0:
+            continue
+        tokens[b, 1:1 + n] = torch.tensor(toks, dtype=torch.long)
+        parents[b, 1:1 + n] = torch.tensor(pars, dtype=torch.long)
+        valid[b, 1:1 + n] = True
+        d = depths[b]
+        for i, p in enumerate(pars, start=1):
+            d[i] = d[p] + 1
+    return TokenTree(tokens, parents, depths, valid).to(roots.device)

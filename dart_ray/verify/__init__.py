@@ -1,0 +1,11 @@
+"""Verification of draft trees against one target forward: greedy and lossless sampling."""
+
+from dart_ray.verify.acceptance import (
+    Acceptance,
+    accept,
+    greedy_accept,
+    processed_probs,
+    sample_accept,
+)
+
+__all__ = ["Acceptance", "accept", "greedy_accept", "processed_probs", "sample_accept"]

@@ -1,0 +1,331 @@
+"""Acceptance rules: which draft-tree nodes the target model agrees with.
+
+One target forward over ``[root, draft nodes]`` gives, at every node ``i``, the target's logits for
+the token that *follows* node ``i`` (``logits[:, i]``). From those this module decides, per row:
+
+* **accepted tokens** -- the draft nodes on one root-to-node path that the target agrees with
+  (``num_accepted`` of them, ``0 .. d``). The root itself is the token the target chose in the
+  previous step; it is always on the path but is not counted as accepted.
+* **bonus token** -- one extra token chosen by the target after the last accepted node (from its
+  logits there), so every step commits ``num_accepted + 1`` tokens and never fewer than one.
+* **residual** -- in sampling mode, the target distribution at the current node after the mass of
+  every rejected child token has been removed (set to 0) and the rest renormalised. The bonus is
+  drawn from the residual, which is what makes the scheme lossless.
+
+Greedy (``temperature == 0``): a node is correct iff its token is the argmax of its parent's
+logits; the accepted path is the deepest all-correct path and the bonus is the argmax after it.
+The emitted tokens are exactly those plain greedy decoding would produce.
+
+Sampling: speculative sampling (Leviathan et al., 2023, "Fast Inference from Transformers via
+Speculative Decoding") generalised to several drafts per position as in SpecInfer-style multi-draft
+verification (Miao et al., 2024), specialised to *deterministic* drafts (each draft is a point mass
+on its token). At the current node with target distribution ``p`` the distinct children ``x`` are
+tried in node-index order; ``x`` is accepted with probability ``p(x) / sum(p)``; on rejection
+``p(x) := 0`` (the residual) and the next child is tried. If none is accepted the bonus is sampled
+from the residual. By induction each emitted token has exactly the target's processed distribution
+given the prefix, whatever the draft tree was (``tests/test_acceptance.py`` checks this
+statistically, including a negative control that must fail).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dart_ray.config import SamplingParams
+from dart_ray.tree.tree import TokenTree
+
+__all__ = ["Acceptance", "accept", "greedy_accept", "processed_probs", "sample_accept"]
+
+
+@dataclass
+class Acceptance:
+    """Outcome of verifying one batch of token trees."""
+
+    # [B, d+1] int64 node indices of the accepted path; path[:, 0] = 0 (root); -1 padded
+    path: torch.Tensor
+    num_accepted: torch.Tensor  # [B] int64 accepted draft nodes (path length - 1), 0..d
+    bonus: torch.Tensor  # [B] int64 token chosen by the target after the last accepted node
+
+    def emitted(self, tree: TokenTree) -> list[list[int]]:
+        """Per row, the committed tokens of this step: accepted draft tokens then the bonus."""
+        path = self.path.cpu()
+        toks = tree.tokens.cpu()
+        n = self.num_accepted.cpu().tolist()
+        bonus = self.bonus.cpu().tolist()
+        out: list[list[int]] = []
+        for b in range(path.shape[0]):
+            nodes = path[b, 1 : 1 + n[b]]
+            out.append(toks[b, nodes].tolist() + [bonus[b]])
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# target distribution
+# ----------------------------------------------------------------------------------------------
+
+
+def _per_row(value: torch.Tensor | float, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A scalar, or a tensor over the leading dims of ``like``, reshaped to broadcast against it."""
+    t = torch.as_tensor(value, dtype=dtype, device=like.device)
+    if t.dim() == 0:
+        return t
+    if t.dim() >= like.dim():
+        raise ValueError(
+            f"per-row parameter of shape {tuple(t.shape)} does not fit logits {tuple(like.shape)}"
+        )
+    return t.reshape(tuple(t.shape) + (1,) * (like.dim() - t.dim()))
+
+
+def processed_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int,
+    top_p: torch.Tensor | float,
+) -> torch.Tensor:
+    """``[..., V]`` logits -> ``[..., V]`` float32 probabilities the target samples from.
+
+    Applied in this order (the Hugging Face order): divide by ``temperature`` (> 0), keep the
+    ``top_k`` largest logits (0 = off; ties broken by sort order, so exactly k stay), then keep the
+    smallest set of most likely tokens whose cumulative probability (of the top-k renormalised
+    distribution) reaches ``top_p`` (1.0 = off; the most likely token is always kept). Each
+    parameter is a scalar or a tensor over leading dims (``[B]`` applies to dim 0).
+    """
+    x = logits.float()  # [..., V]
+    V = x.shape[-1]
+    t = _per_row(temperature, x, torch.float32)
+    if bool((t <= 0).any()):
+        raise ValueError(
+            "processed_probs needs temperature > 0 (greedy rows are handled by argmax)"
+        )
+    k = _per_row(top_k, x, torch.long)
+    p = _per_row(top_p, x, torch.float32)
+    x = x / t
+    need_k = bool(((k > 0) & (k < V)).any())
+    need_p = bool((p < 1.0).any())
+    if need_k or need_p:
+        sorted_x, order = x.sort(dim=-1, descending=True)  # [..., V]
+        rank = torch.arange(V, device=x.device)  # [V]
+        keep = torch.ones_like(sorted_x, dtype=torch.bool)  # [..., V] in sorted order
+        if need_k:
+            keep = keep & (rank < torch.where(k > 0, k, V))
+        if need_p:
+            sp = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
+            csum = sp.cumsum(dim=-1)
+            # exclusive cumulative mass: a token stays if the more likely ones sum to < top_p
+            before = torch.cat([torch.zeros_like(csum[..., :1]), csum[..., :-1]], dim=-1)
+            keep = keep & ((before < p) | (p >= 1.0))
+        mask = torch.zeros_like(keep).scatter(-1, order, keep)  # [..., V] back in vocab order
+        x = x.masked_fill(~mask, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# greedy
+# ----------------------------------------------------------------------------------------------
+
+
+def _max_depth(tree: TokenTree) -> int:
+    d = tree.depths.masked_fill(~tree.valid, 0)
+    return int(d.max()) if d.numel() else 0
+
+
+def _path_to(tree: TokenTree, last: torch.Tensor, width: int) -> torch.Tensor:
+    """[B] node indices -> [B, width] root-to-node paths (-1 padded). Loops over depth levels."""
+    B = tree.batch_size
+    dev = tree.tokens.device
+    rows = torch.arange(B, device=dev)
+    depth = tree.depths.gather(1, last[:, None])[:, 0]  # [B]
+    path = torch.full((B, width), -1, dtype=torch.long, device=dev)
+    cur = last.clone()  # [B]
+    for s in range(width):
+        pos = depth - s  # [B] path slot of `cur`
+        live = pos >= 0
+        path[rows[live], pos[live]] = cur[live]
+        cur = tree.parents.gather(1, cur[:, None])[:, 0].clamp(min=0)
+    return path
+
+
+def greedy_accept(tree: TokenTree, logits: torch.Tensor) -> Acceptance:
+    """Greedy verification. ``logits``: ``[B, 1+N, V]`` from one target forward over the tree.
+
+    Node ``i`` is correct iff it is valid and ``tokens[i] == argmax(logits[parents[i]])``; the
+    accepted node is the deepest node whose whole path is correct (lowest index among equals).
+    Vectorised: the only Python loops run over depth levels.
+    """
+    B, T = tree.tokens.shape
+    if logits.shape[:2] != (B, T):
+        raise ValueError(f"logits shape {tuple(logits.shape)} does not match tree {(B, T)}")
+    pred = logits.argmax(dim=-1)  # [B, T] target's next token at each node
+    par = tree.parents.clamp(min=0)  # [B, T]
+    correct = tree.valid & (tree.tokens == pred.gather(1, par))  # [B, T]
+    correct[:, 0] = True
+    d = _max_depth(tree)
+    ok = correct  # [B, T] whole path correct
+    for _ in range(max(d - 1, 0)):  # one level of propagation per pass
+        ok = correct & ok.gather(1, par)
+    idx = torch.arange(T, device=logits.device)
+    score = torch.where(ok, tree.depths * T + (T - 1 - idx), torch.full_like(tree.depths, -1))
+    last = score.argmax(dim=1)  # [B] deepest, then lowest index
+    num = tree.depths.gather(1, last[:, None])[:, 0]  # [B]
+    bonus = pred.gather(1, last[:, None])[:, 0]  # [B]
+    return Acceptance(path=_path_to(tree, last, d + 1), num_accepted=num, bonus=bonus)
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling
+# ----------------------------------------------------------------------------------------------
+
+
+def _uniforms(n: int, gen: torch.Generator | None) -> list[float]:
+    if gen is None:
+        return torch.rand(n, dtype=torch.float64).tolist()
+    return torch.rand(n, generator=gen, dtype=torch.float64, device=gen.device).tolist()
+
+
+def sample_accept(
+    tree: TokenTree,
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int,
+    top_p: torch.Tensor | float,
+    generators: Sequence[torch.Generator | None],
+) -> Acceptance:
+    """Lossless multi-draft acceptance for deterministic drafts (recursive rejection sampling).
+
+    ``logits``: ``[B, 1+N, V]``; ``temperature`` (> 0), ``top_k``, ``top_p``: scalars or ``[B]``;
+    ``generators[b]`` drives row b (``None`` = torch's default CPU generator). Each call consumes
+    exactly ``n_valid_nodes(b) + 1`` uniforms from ``generators[b]`` (one per child tried, one for
+    the bonus, the rest unused), so a row's random stream depends only on its own tree, not on the
+    batch it is in.
+    """
+    B, T = tree.tokens.shape
+    if logits.shape[:2] != (B, T):
+        raise ValueError(f"logits shape {tuple(logits.shape)} does not match tree {(B, T)}")
+    if len(generators) != B:
+        raise ValueError(f"need one generator per row: got {len(generators)} for batch {B}")
+    dev = logits.device
+    probs = processed_probs(logits, temperature, top_k, top_p)  # [B, T, V] float32
+    par = tree.parents.clamp(min=0)  # [B, T]
+    # p_child[b, i] = p(tokens[i] | parent of i): the target mass on node i at its parent
+    p_child = probs[torch.arange(B, device=dev)[:, None], par, tree.tokens]  # [B, T]
+    total = probs.sum(dim=-1, dtype=torch.float64)  # [B, T] (1 up to rounding)
+    p_child_l = p_child.double().cpu().tolist()
+    total_l = total.cpu().tolist()
+    tok_l = tree.tokens.cpu().tolist()
+    par_l = tree.parents.cpu().tolist()
+    valid_l = tree.valid.cpu().tolist()
+
+    paths: list[list[int]] = []
+    last_nodes: list[int] = []
+    rejected_rows: list[int] = []
+    rejected_toks: list[int] = []
+    bonus_u: list[float] = []
+    for b in range(B):
+        children: list[list[int]] = [[] for _ in range(T)]
+        n_valid = 0
+        for i in range(1, T):
+            if valid_l[b][i]:
+                children[par_l[b][i]].append(i)
+                n_valid += 1
+        u = _uniforms(n_valid + 1, generators[b])
+        used = 0
+        cur = 0
+        path = [0]
+        while True:
+            mass = total_l[b][cur]  # sum of the (residual) p at `cur`
+            seen: set[int] = set()
+            nxt = -1
+            for c in children[cur]:
+                x = tok_l[b][c]
+                if x in seen:  # duplicate sibling: already rejected
+                    continue
+                seen.add(x)
+                px = p_child_l[b][c]
+                if u[used] * mass < px:  # accept with probability p(x) / sum(p)
+                    used += 1
+                    nxt = c
+                    break
+                used += 1
+                mass -= px  # residual: p(x) := 0
+            if nxt < 0:
+                rejected_rows.extend([b] * len(seen))
+                rejected_toks.extend(seen)
+                break
+            path.append(nxt)
+            cur = nxt
+        paths.append(path)
+        last_nodes.append(cur)
+        bonus_u.append(u[used])
+
+    # bonus from the residual at each row's last accepted node, all rows at once
+    rows = torch.arange(B, device=dev)
+    last = torch.tensor(last_nodes, dtype=torch.long, device=dev)  # [B]
+    orig = probs[rows, last]  # [B, V]
+    resid = orig.clone()
+    if rejected_rows:
+        rej_r = torch.tensor(rejected_rows, device=dev)
+        rej_t = torch.tensor(rejected_toks, device=dev)
+        resid[rej_r, rej_t] = 0.0  # residual: rejected tokens of the last node's children
+    empty = resid.sum(dim=-1) <= 0  # [B] cannot happen exactly
+    resid = torch.where(empty[:, None], orig, resid)
+    cdf = resid.double().cumsum(dim=-1)  # [B, V]
+    thr = torch.tensor(bonus_u, dtype=torch.float64, device=dev) * cdf[:, -1]  # [B]
+    bonus = torch.searchsorted(cdf, thr[:, None], right=True)[:, 0]  # first index with cdf > thr
+    V = resid.shape[-1]
+    last_pos = torch.where(resid > 0, torch.arange(V, device=dev), -1).amax(dim=-1)  # [B]
+    bonus = torch.minimum(bonus, last_pos)  # guard rounding at the top
+
+    width = _max_depth(tree) + 1
+    path_t = torch.full((B, width), -1, dtype=torch.long)
+    for b, pth in enumerate(paths):
+        path_t[b, : len(pth)] = torch.tensor(pth, dtype=torch.long)
+    num = torch.tensor([len(pth) - 1 for pth in paths], dtype=torch.long)
+    return Acceptance(path=path_t.to(dev), num_accepted=num.to(dev), bonus=bonus.long())
+
+
+# ----------------------------------------------------------------------------------------------
+# mixed batches
+# ----------------------------------------------------------------------------------------------
+
+
+def accept(
+    tree: TokenTree,
+    logits: torch.Tensor,
+    params_list: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> Acceptance:
+    """Verify a batch whose rows may mix greedy (``temperature == 0``) and sampled requests.
+
+    Greedy rows get :func:`greedy_accept` semantics, sampled rows :func:`sample_accept` with their
+    own temperature / top-k / top-p and ``generators[b]``.
+    """
+    B = tree.batch_size
+    if len(params_list) != B or len(generators) != B:
+        raise ValueError(f"need one SamplingParams and one generator per row (batch {B})")
+    out = greedy_accept(tree, logits)
+    sampled = [b for b, sp in enumerate(params_list) if not sp.greedy]
+    if not sampled:
+        return out
+    dev = logits.device
+    idx = torch.tensor(sampled, dtype=torch.long, device=dev)
+    sub_tree = TokenTree(
+        *(t.index_select(0, idx) for t in (tree.tokens, tree.parents, tree.depths, tree.valid))
+    )
+    temps = torch.tensor(
+        [params_list[b].temperature for b in sampled], dtype=torch.float32, device=dev
+    )
+    ks = torch.tensor([params_list[b].top_k for b in sampled], dtype=torch.long, device=dev)
+    ps = torch.tensor([params_list[b].top_p for b in sampled], dtype=torch.float32, device=dev)
+    sub = sample_accept(
+        sub_tree, logits.index_select(0, idx), temps, ks, ps, [generators[b] for b in sampled]
+    )
+    width = out.path.shape[1]
+    sub_path = torch.full((len(sampled), width), -1, dtype=torch.long, device=dev)
+    sub_path[:, : sub.path.shape[1]] = sub.path
+    out.path[idx] = sub_path
+    out.num_accepted[idx] = sub.num_accepted
+    out.bonus[idx] = sub.bonus
+    return out
