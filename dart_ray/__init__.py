@@ -13,10 +13,12 @@ beyond what the names below need.
 
 from dart_ray.config import DecodingConfig, EngineConfig, SamplingParams
 from dart_ray.engine import Completion, Engine, EngineStats, PromptTooLongError, RequestOutput, RequestStats
+from dart_ray.profiles import DecodingSchedule, load_profile, save_profile
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats", "Completion",
-    "RequestOutput", "RequestStats", "PromptTooLongError", "__version__",
+    "RequestOutput", "RequestStats", "PromptTooLongError", "DecodingSchedule", "load_profile",
+    "save_profile", "__version__",
 ]

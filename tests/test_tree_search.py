@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from dart_ray.config import DecodingConfig
-from dart_ray.tree.search import NGramScorer, _topk_last, build_trees, build_trees_with_scores
+from dart_ray.tree.search import (
+    NGramScorer,
+    _top_desc,
+    _topk_last,
+    build_trees,
+    build_trees_with_scores,
+)
 from dart_ray.tree.tree import TokenTree
 
 EPS = 1e-6
@@ -277,8 +283,7 @@ def test_batch_rows_independent():
     cfg = DecodingConfig(chunk_len=5, top_k=6, beam_width=4, tree_budget=25)
     B = 4
     logits = rand_logits(B, 5, 80, 7)
-    logits[2, 0, 10:] = float("-inf")  # row 2 has only 6... fewer valid level-0 candidates
-    logits[2, 0, 3:10] = float("-inf")  # -> 3 candidates at level 0
+    logits[2, :, 1:] = float("-inf")  # row 2: 1 candidate per level -> a 5-node chain, padded
     roots = torch.tensor([1, 5, 7, 9])
     context = torch.tensor([[3, 4, 5], [-1, -1, 6], [8, 9, 10], [-1, -1, -1]])
     ng = HashNGram(3)
@@ -294,6 +299,8 @@ def test_batch_rows_independent():
         assert torch.equal(tree.valid[b, :n], t1.valid[0])
         assert torch.equal(scores[b, :n], s1[0])
         assert not bool(tree.valid[b, n:].any())
+    assert int(tree.valid[2].sum()) == 1 + 5 and tree.num_nodes == 1 + 25
+    assert tree.tokens[2, :6].tolist() == [7, 0, 0, 0, 0, 0]
 
 
 def test_masked_logits_are_never_drafted_and_rows_padded():
@@ -412,6 +419,18 @@ def test_blocked_topk_matches_torch(V: int):
     assert bool(torch.isnan(_topk_last(xn, 25)[0]).any())
     with pytest.raises(ValueError):
         build_trees(torch.tensor([0, 1]), xn, DecodingConfig())
+
+
+def test_top_desc_is_a_stable_descending_sort():
+    g = torch.Generator().manual_seed(16)
+    x = (torch.randn(3, 400, generator=g) * 2).round()                   # many exact ties
+    x[0, :50] = float("-inf")
+    x[1, 10] = -0.0
+    x[1, 11] = 0.0
+    x[2, 7] = float("inf")
+    for m in (1, 37, 400):
+        want = torch.sort(x + 0.0, dim=1, descending=True, stable=True).indices[:, :m]
+        assert torch.equal(_top_desc(x, m), want)
 
 
 # ------------------------------------------------------------------ errors

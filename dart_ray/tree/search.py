@@ -247,11 +247,10 @@ def build_trees_with_scores(
     par_all = torch.cat(pool_par, 1)      # [B, P] parent slot (0 = root)
     score_all = torch.cat(pool_score, 1)  # [B, P]
     eff_all = torch.cat(pool_eff, 1)      # [B, P]
-    lvl_all = torch.repeat_interleave(
-        torch.arange(d, device=dev), torch.tensor(pool_sizes, device=dev))  # [P]
+    starts = torch.tensor(np.cumsum([0] + pool_sizes[:-1]), dtype=torch.long, device=dev)  # [d]
 
     n = min(cfg.tree_budget, P)
-    sel = torch.sort(eff_all, dim=1, descending=True, stable=True).indices[:, :n]  # [B, n] pool ids
+    sel = _top_desc(eff_all, n)                                          # [B, n] pool ids
     sel_valid = eff_all.gather(1, sel) > _NEG_INF                        # [B, n] (valid ones first)
     n_out = int(sel_valid.sum(1).max())
     sel = sel[:, :n_out]                                                 # [B, N]
@@ -264,10 +263,12 @@ def build_trees_with_scores(
     perm = torch.sort(sel_score, dim=1, descending=True, stable=True).indices  # [B, N]
     sel = sel.gather(1, perm)                                            # [B, N]
     sel_valid = eff_all.gather(1, sel) > _NEG_INF                        # [B, N]
-    depth_key = torch.where(sel_valid, lvl_all[sel], torch.full_like(sel, d))  # [B, N]
+    sel_lvl = torch.searchsorted(starts, sel, right=True) - 1            # [B, N] level of each node
+    depth_key = torch.where(sel_valid, sel_lvl, torch.full_like(sel, d))  # [B, N]
     perm = torch.sort(depth_key, dim=1, stable=True).indices             # [B, N]
     sel = sel.gather(1, perm)                                            # [B, N] final order
     sel_valid = sel_valid.gather(1, perm)                                # [B, N]
+    sel_lvl = sel_lvl.gather(1, perm)                                    # [B, N]
 
     # Map pool slots to output positions with one scatter; unselected slots stay -1.
     pos = torch.full((B, 1 + P), -1, dtype=torch.long, device=dev)       # [B, 1+P]
@@ -275,11 +276,11 @@ def build_trees_with_scores(
     out_pos = torch.arange(1, n_out + 1, device=dev).expand(B, n_out)    # [B, N]
     pos.scatter_(1, sel + 1, out_pos)
     parents = pos.gather(1, par_all.gather(1, sel))                      # [B, N]
-    if not bool((parents[sel_valid] >= 0).all()):
+    if not bool(((parents >= 0) | ~sel_valid).all()):
         raise RuntimeError("internal error: selected draft tree is not prefix-closed")
 
     tokens = tok_all.gather(1, sel)                                      # [B, N]
-    depths = lvl_all[sel] + 1                                            # [B, N]
+    depths = sel_lvl + 1                                                 # [B, N]
     scores = score_all.gather(1, sel)                                    # [B, N]
     zero = torch.zeros_like(tokens)
     one = torch.ones_like(tokens)
@@ -321,15 +322,30 @@ def _topk_last(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     xb = x[..., :v0].reshape(B, d, nblk, blk)                              # [B, d, nblk, blk]
     bidx = torch.topk(xb.amax(-1), k, dim=-1).indices                      # [B, d, k] block ids
     cand = torch.gather(xb, 2, bidx[..., None].expand(B, d, k, blk))       # [B, d, k, blk]
-    cand_i = (bidx[..., None] * blk + torch.arange(blk, device=x.device))  # [B, d, k, blk]
     cand = cand.reshape(B, d, k * blk)                                     # [B, d, k*blk]
-    cand_i = cand_i.reshape(B, d, k * blk)                                 # [B, d, k*blk]
     if v0 < V:  # ragged tail joins the candidates
-        tail_i = torch.arange(v0, V, device=x.device).expand(B, d, V - v0)  # [B, d, V-v0]
         cand = torch.cat([cand, x[..., v0:]], -1)                          # [B, d, k*blk+V-v0]
-        cand_i = torch.cat([cand_i, tail_i], -1)                           # [B, d, k*blk+V-v0]
-    vals, j = torch.topk(cand, k, dim=-1)                                  # [B, d, k]
-    return vals, cand_i.gather(2, j)                                       # [B, d, k]
+    vals, j = torch.topk(cand, k, dim=-1)                                  # [B, d, k] candidate pos
+    blk_pos = torch.div(j, blk, rounding_mode="floor").clamp_(max=k - 1)   # [B, d, k]
+    idx = bidx.gather(2, blk_pos) * blk + j % blk                          # [B, d, k] vocab ids
+    if v0 < V:
+        idx = torch.where(j >= k * blk, j - k * blk + v0, idx)             # [B, d, k]
+    return vals, idx
+
+
+def _top_desc(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Indices of the ``m`` largest entries per row of ``x: [B, P]`` float32 -> ``[B, m]``.
+
+    Ordered by value descending, exact ties broken by LOWER index first (like a stable descending
+    sort, but via one ``topk`` on unique int64 keys: the float's order-preserving int32 image in
+    the high word, ``P-1-index`` in the low word). ``-0.0`` is treated as ``+0.0``; no NaNs allowed.
+    """
+    P = x.shape[1]
+    bits = (x.float() + 0.0).contiguous().view(torch.int32)               # [B, P]
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()      # [B, P] monotone in x
+    low = torch.arange(P - 1, -1, -1, device=x.device)                   # [P] = P-1-index
+    key = (ordered << 32) | low                                           # [B, P] unique per row
+    return torch.topk(key, m, dim=1).indices                              # [B, m]
 
 
 def _push(tail: torch.Tensor, tok: torch.Tensor, o1: int) -> torch.Tensor:

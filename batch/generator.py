@@ -1,0 +1,253 @@
+"""DartGenerator: a callable class for ``Dataset.map_batches`` that runs the dart-ray engine.
+
+Use it in your own Ray Data pipelines::
+
+    import ray
+    from batch import DartGenerator
+
+    ds = ray.data.read_parquet("prompts.parquet")
+    ds = ds.map_batches(
+        DartGenerator,
+        fn_constructor_kwargs={"engine_config": {"method": "dart", "dtype": "bf16"},
+                               "prompt_column": "prompt", "max_new_tokens": 128},
+        batch_size=32, concurrency=2, num_cpus=4)   # one engine (weights loaded once) per actor
+    ds.write_parquet("out/")
+
+Each call takes a batch (pyarrow Table, pandas DataFrame or dict of numpy arrays), keeps its
+columns and adds :data:`OUTPUT_COLUMNS`. A bad row -- null, empty or non-string prompt, prompt
+longer than the context -- gets its ``error`` set and null outputs; it never fails the batch.
+
+Valid prompts are tokenised once, checked with the engine's own ``check_prompt`` (``generate`` of a
+list is all or nothing), then decoded together by ``Engine.generate`` (continuous batching, up to
+``max_batch_size`` rows at a time). Greedy outputs equal a single-prompt ``Engine.generate``.
+With ``seed`` set, row r samples with seed ``row_seed(seed, id_r)``, so sampled outputs do not
+depend on how rows were batched or scheduled.
+
+This module imports no Ray: the class is plain Python and can be tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import pyarrow as pa
+
+from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
+
+from batch.profiles import profile_from_dict
+
+log = logging.getLogger(__name__)
+
+OUTPUT_SCHEMA = pa.schema([
+    ("generated_text", pa.string()),
+    ("num_prompt_tokens", pa.int64()),
+    ("num_completion_tokens", pa.int64()),
+    ("finish_reason", pa.string()),
+    ("mean_accepted_len", pa.float64()),
+    ("latency_s", pa.float64()),
+    ("error", pa.string()),
+])
+OUTPUT_COLUMNS: tuple[str, ...] = tuple(OUTPUT_SCHEMA.names)
+"""Columns DartGenerator adds. ``error`` is null for a generated row and a message for a bad row
+(whose other outputs are null, except ``num_prompt_tokens`` when the prompt could be tokenised).
+``latency_s`` is seconds from the batch's submission to the row's last token."""
+
+
+def engine_config_from_dict(d: dict | EngineConfig) -> EngineConfig:
+    """EngineConfig from its fields as a dict (``decoding`` may itself be a dict)."""
+    if isinstance(d, EngineConfig):
+        return d
+    d = dict(d)
+    if isinstance(d.get("decoding"), dict):
+        d["decoding"] = DecodingConfig.from_dict(d["decoding"])
+    unknown = set(d) - {f.name for f in dataclasses.fields(EngineConfig)}
+    if unknown:
+        raise ValueError(f"unknown EngineConfig fields: {sorted(unknown)}")
+    return EngineConfig(**d)
+
+
+def row_seed(seed: int, row_id: Any) -> int:
+    """The sampling seed of one row: ``seed`` plus a stable 63-bit hash of ``str(row_id)``."""
+    h = int.from_bytes(hashlib.blake2b(str(row_id).encode(), digest_size=8).digest(), "little")
+    return (seed + h) % (1 << 63)
+
+
+@dataclass
+class BatchStats:
+    """Totals of one processed batch (the job sums them for its summary)."""
+
+    rows: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    steps: int = 0
+    accepted_tokens: int = 0
+    generate_s: float = 0.0
+
+
+class DartGenerator:
+    """Generate a completion per row with one engine built in the constructor.
+
+    Args:
+        engine_config: an :class:`~dart_ray.EngineConfig` or its fields as a dict.
+        prompt_column: column holding the prompt text.
+        id_column: column holding a row id; it seeds sampling (see :func:`row_seed`). ``None`` or a
+            column absent from the batch: the prompt text seeds the row instead.
+        chat: wrap each prompt in the tokenizer's chat template as a user message.
+        sampling: a :class:`~dart_ray.SamplingParams` (or its fields as a dict) shared by all rows;
+            the keyword arguments below override its fields.
+        max_new_tokens, temperature, top_p, top_k: shortcuts for the matching SamplingParams fields.
+        seed: base seed of per-row sampling seeds; ``None`` = unseeded sampling.
+        profile: decoding profile dict (see :mod:`batch.profiles`) applied with ``set_decoding``.
+    """
+
+    def __init__(self, engine_config: dict | EngineConfig | None = None, *, prompt_column: str = "prompt",
+                 id_column: str | None = "id", chat: bool = False,
+                 sampling: SamplingParams | dict | None = None, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 seed: int | None = 0, profile: dict | None = None) -> None:
+        self.engine_config = engine_config_from_dict(engine_config or {})
+        self.prompt_column = prompt_column
+        self.id_column = id_column
+        self.chat = chat
+        if isinstance(sampling, dict):
+            sampling = SamplingParams(**sampling)
+        overrides = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature,
+                                           top_p=top_p, top_k=top_k).items() if v is not None}
+        self.sampling = dataclasses.replace(sampling or SamplingParams(), **overrides)
+        self.seed = seed
+        self.profile = profile
+        self.engine = self._build_engine()
+
+    def _build_engine(self) -> Engine:
+        engine = Engine.from_config(self.engine_config)
+        if self.profile:
+            engine.set_decoding(profile_from_dict(self.profile))
+        return engine
+
+    # ---- Ray Data entry point ------------------------------------------------------------------
+    def __call__(self, batch):
+        """Add :data:`OUTPUT_COLUMNS` to a pyarrow Table, pandas DataFrame or dict of arrays."""
+        table = _to_table(batch, self.prompt_column, self.id_column)
+        out, _ = self.process(table)
+        if isinstance(batch, pa.Table):
+            for name in OUTPUT_COLUMNS:
+                batch = _set_column(batch, name, out.column(name))
+            return batch
+        if _is_pandas(batch):
+            batch = batch.copy()
+            for name in OUTPUT_COLUMNS:
+                batch[name] = out.column(name).to_pandas().to_numpy()
+            return batch
+        batch = dict(batch)
+        for name in OUTPUT_COLUMNS:
+            batch[name] = out.column(name).to_numpy(zero_copy_only=False)
+        return batch
+
+    # ---- the work ----------------------------------------------------------------------------
+    def process(self, table: pa.Table) -> tuple[pa.Table, BatchStats]:
+        """Outputs of every row of ``table``: a table of :data:`OUTPUT_COLUMNS` (same row order)
+        and the batch's totals."""
+        n = table.num_rows
+        if self.prompt_column not in table.column_names:
+            raise KeyError(f"batch has no prompt column {self.prompt_column!r} "
+                           f"(columns: {table.column_names})")
+        prompts = table.column(self.prompt_column).to_pylist()
+        has_ids = self.id_column is not None and self.id_column in table.column_names
+        keys = table.column(self.id_column).to_pylist() if has_ids else prompts
+        rows: list[dict] = [{} for _ in range(n)]
+        todo: list[int] = []
+        ids: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                toks = self._validate(prompt, rows[i])
+            except (ValueError, TypeError) as e:
+                rows[i]["error"] = f"{type(e).__name__}: {e}"
+            else:
+                todo.append(i)
+                ids.append(toks)
+        params = [self._params(keys[i]) for i in todo]
+        stats = BatchStats(rows=n)
+        t0 = time.perf_counter()
+        for i, c in zip(todo, self._generate(ids, params)):
+            if isinstance(c, Exception):
+                rows[i]["error"] = f"{type(c).__name__}: {c}"
+                continue
+            rows[i].update(generated_text=c.text, num_prompt_tokens=c.num_prompt_tokens,
+                           num_completion_tokens=len(c.token_ids), finish_reason=c.finish_reason,
+                           mean_accepted_len=float(c.stats.mean_accepted_len), latency_s=float(c.latency_s))
+            stats.prompt_tokens += c.num_prompt_tokens
+            stats.completion_tokens += len(c.token_ids)
+            stats.steps += c.stats.steps
+            stats.accepted_tokens += c.stats.accepted_tokens
+        stats.generate_s = time.perf_counter() - t0
+        stats.errors = sum(1 for r in rows if r.get("error") is not None)
+        out = pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
+        return out, stats
+
+    def _validate(self, prompt, row: dict) -> list[int]:
+        if prompt is None:
+            raise ValueError("prompt is null")
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+        if prompt == "":
+            raise ValueError("prompt is empty")
+        toks = self.engine.encode_prompt(prompt, self.chat)
+        row["num_prompt_tokens"] = len(toks)
+        self.engine.check_prompt(toks)
+        return toks
+
+    def _params(self, key) -> SamplingParams:
+        if self.sampling.greedy or self.seed is None:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=row_seed(self.seed, key))
+
+    def _generate(self, ids: list[list[int]], params: list[SamplingParams]) -> list:
+        """Completions for validated token ids; on an engine failure, rows are retried one by one
+        on a rebuilt engine and a row that fails alone gets its exception instead."""
+        if not ids:
+            return []
+        try:
+            return self.engine.generate(ids, params)
+        except Exception:  # noqa: BLE001 - isolate the failing row(s) below
+            log.exception("engine failed on a batch of %d rows; retrying row by row", len(ids))
+        self.engine = self._build_engine()
+        out: list = []
+        for toks, p in zip(ids, params):
+            try:
+                out.append(self.engine.generate([toks], [p])[0])
+            except Exception as e:  # noqa: BLE001 - becomes this row's error
+                log.exception("engine failed on one row")
+                out.append(e)
+                self.engine = self._build_engine()
+        return out
+
+
+# ---- batch formats ------------------------------------------------------------------------------
+def _is_pandas(batch) -> bool:
+    return type(batch).__name__ == "DataFrame" and hasattr(batch, "iloc")
+
+
+def _to_table(batch, prompt_column: str, id_column: str | None) -> pa.Table:
+    """The columns DartGenerator reads, as a pyarrow Table."""
+    if isinstance(batch, pa.Table):
+        return batch
+    names = [c for c in (prompt_column, id_column) if c is not None and c in batch]
+    return pa.table({c: pa.array(_py_values(batch[c]), from_pandas=True) for c in names})
+
+
+def _py_values(col) -> Sequence:
+    if hasattr(col, "tolist"):
+        return col.tolist()
+    return list(col)
+
+
+def _set_column(table: pa.Table, name: str, values: pa.ChunkedArray) -> pa.Table:
+    if name in table.column_names:
+        return table.set_column(table.column_names.index(name), name, values)
+    return table.append_column(name, values)

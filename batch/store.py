@@ -1,0 +1,210 @@
+"""The output directory of a batch job: atomically committed parts, the ids they hold, and locks.
+
+Layout of ``DIR``::
+
+    DIR/part-<digest>.parquet     committed parts: complete rows only, every id at most once overall
+    DIR/_dart_ray/job.json        what produced the parts (a rerun with other settings is refused)
+    DIR/_dart_ray/tmp/*.tmp       parts being written (a crash leaves them; the next run deletes them)
+    DIR/_dart_ray/driver.lock     held (flock, exclusive) by the one driver writing to DIR
+    DIR/_dart_ray/workers.lock    held (flock, shared) by every worker that may commit parts
+
+Exactly once rests on three facts:
+
+* **Atomic commit.** A part is written under ``_dart_ray/tmp/``, fsynced, then renamed into
+  ``DIR`` with :func:`os.replace` (atomic on POSIX within one filesystem). A reader sees either
+  no file or the whole file; a killed writer leaves only a ``.tmp`` file, which no reader lists.
+* **Content-addressed names.** A part's name is a digest of the sorted ids it holds, so a batch
+  that is retried (a worker died after the rename but before reporting) overwrites its own part
+  instead of adding a second copy of its rows.
+* **No stale writers.** A rerun resumes from the ids in the committed parts. A worker of a killed
+  run could still commit after that read, so the new driver first takes ``workers.lock``
+  exclusively, which succeeds only once every worker of earlier runs (each holds it shared) has
+  exited. ``driver.lock`` keeps two live jobs off one directory.
+
+Nothing here imports Ray; the job (``batch.job``) and the workers use these functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+PART_GLOB = "part-*.parquet"
+META_DIR = "_dart_ray"
+
+
+class OutputBusyError(RuntimeError):
+    """Another live job is writing to the output directory (or its workers did not exit)."""
+
+
+class CorruptPartError(RuntimeError):
+    """A committed part cannot be read (it was not written by this module's atomic commit)."""
+
+
+class OutputStore:
+    """One output directory (see the module docstring for the layout)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.meta = self.root / META_DIR
+        self.tmp = self.meta / "tmp"
+        self.manifest_path = self.meta / "job.json"
+        self.driver_lock_path = self.meta / "driver.lock"
+        self.workers_lock_path = self.meta / "workers.lock"
+
+    def create(self) -> None:
+        self.tmp.mkdir(parents=True, exist_ok=True)
+
+    # ---- parts ---------------------------------------------------------------------------------
+    def part_paths(self) -> list[Path]:
+        """Committed parts, sorted by name (temporary files never match)."""
+        return sorted(self.root.glob(PART_GLOB))
+
+    def committed_ids(self, id_column: str) -> pa.ChunkedArray | None:
+        """Every id in the committed parts (duplicates kept), or None when there is no part yet."""
+        paths = self.part_paths()
+        if not paths:
+            return None
+        chunks = []
+        for p in paths:
+            try:
+                chunks.append(pq.read_table(p, columns=[id_column]).column(0))
+            except Exception as e:  # noqa: BLE001 - name the file, whatever pyarrow raised
+                raise CorruptPartError(
+                    f"cannot read id column {id_column!r} of committed part {p}: {e}. It was not "
+                    f"written by dart-ray batch's atomic commit; remove it and rerun") from e
+        types = {c.type for c in chunks}
+        if len(types) > 1:
+            raise CorruptPartError(f"committed parts in {self.root} disagree on the id type: {types}")
+        return pa.chunked_array([ch for c in chunks for ch in c.chunks], type=chunks[0].type)
+
+    def read(self, columns: list[str] | None = None) -> pa.Table:
+        """All committed rows (for tests and small outputs)."""
+        paths = self.part_paths()
+        if not paths:
+            raise FileNotFoundError(f"no committed parts in {self.root}")
+        return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths])
+
+    def write_part(self, table: pa.Table, id_column: str) -> Path:
+        """Commit ``table`` as one part: temp file, fsync, atomic rename. Returns the part's path.
+
+        The name depends only on the set of ids, so writing the same rows again replaces the
+        earlier part rather than duplicating it.
+        """
+        ids = sorted(str(v) for v in table.column(id_column).to_pylist())
+        digest = hashlib.sha256("\x00".join(ids).encode()).hexdigest()[:24]
+        final = self.root / f"part-{digest}.parquet"
+        tmp = self.tmp / f"{final.name}.{uuid.uuid4().hex}.tmp"
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        return final
+
+    def clear_tmp(self) -> int:
+        """Delete parts left half-written by a killed run (call only while holding the locks)."""
+        n = 0
+        for p in self.tmp.glob("*.tmp"):
+            p.unlink(missing_ok=True)
+            n += 1
+        return n
+
+    # ---- manifest ------------------------------------------------------------------------------
+    def check_manifest(self, manifest: dict, force: bool = False) -> None:
+        """Record ``manifest`` on the first run; on a rerun refuse a different one (unless forced)."""
+        if self.manifest_path.exists() and not force:
+            old = json.loads(self.manifest_path.read_text())
+            diff = {k: (old.get(k), manifest.get(k)) for k in sorted(set(old) | set(manifest))
+                    if old.get(k) != manifest.get(k)}
+            if diff:
+                lines = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+                raise ValueError(
+                    f"{self.root} holds output of a job with other settings ({lines}). Use another "
+                    f"output directory, or pass force to mix them")
+            return
+        tmp = self.meta / f"job.json.{uuid.uuid4().hex}.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        os.replace(tmp, self.manifest_path)
+
+    # ---- locks ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def driver_session(self, stale_worker_timeout_s: float = 120.0) -> Iterator[None]:
+        """Hold the directory for one job: exclusive driver lock, then wait out stale workers.
+
+        Raises :class:`OutputBusyError` when another driver holds the directory, or when workers of
+        an earlier run are still alive after ``stale_worker_timeout_s``.
+        """
+        self.create()
+        fd = os.open(self.driver_lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise OutputBusyError(f"another dart-ray batch job is writing to {self.root}") from None
+            self._wait_for_stale_workers(stale_worker_timeout_s)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def _wait_for_stale_workers(self, timeout_s: float) -> None:
+        fd = os.open(self.workers_lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return  # no worker of an earlier run is left; released by close below
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise OutputBusyError(
+                            f"workers of an earlier job on {self.root} are still running after "
+                            f"{timeout_s:.0f} s; stop them (or that Ray cluster) and rerun") from None
+                    time.sleep(0.2)
+        finally:
+            os.close(fd)
+
+    def hold_worker_lock(self) -> int:
+        """Take the shared worker lock for this process's lifetime; returns the fd to keep open."""
+        fd = os.open(self.workers_lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+
+def id_report(expected: pa.Array | pa.ChunkedArray, committed: pa.ChunkedArray | None) -> dict:
+    """How ``committed`` ids cover ``expected``: counts of missing, duplicated and unexpected ids."""
+    expected = _combine(expected)
+    if committed is None or len(committed) == 0:
+        return {"expected": len(expected), "committed": 0, "missing": len(expected),
+                "duplicated": 0, "unexpected": 0}
+    committed = _combine(committed).cast(expected.type)
+    counts = pc.value_counts(committed)
+    dup = int(pc.sum(pc.greater(counts.field("counts"), 1)).as_py() or 0)
+    uniq = counts.field("values")
+    missing = len(expected) - int(pc.sum(pc.is_in(expected, value_set=uniq)).as_py() or 0)
+    unexpected = len(uniq) - int(pc.sum(pc.is_in(uniq, value_set=expected)).as_py() or 0)
+    return {"expected": len(expected), "committed": len(committed), "missing": missing,
+            "duplicated": dup, "unexpected": unexpected}
+
+
+def _combine(a: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

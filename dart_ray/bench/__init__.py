@@ -1,0 +1,1 @@
+"""Benchmarks: all methods in one process, interleaved, medians (``dart-ray bench``)."""

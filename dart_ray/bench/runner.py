@@ -1,0 +1,189 @@
+"""``dart-ray bench``: every method on the same prompts in one process, interleaved, medians.
+
+Methods: ``ar`` (own engine, no drafter), ``ngram``, ``dart`` (own engine with those drafters),
+``hf`` (transformers ``generate``), ``hf-pld`` (its prompt-lookup decoding). The target weights
+load once and are shared by the own-engine methods; transformers loads the same converted
+checkpoint in the same dtype. For every batch of prompts each method runs once, in rotating order,
+so drift (thermal, other load) hits all methods alike; tokens/s is the median over batches.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dart_ray.config import DecodingConfig, EngineConfig, SamplingParams
+
+OWN = {"ar": "none", "ngram": "ngram", "dart": "dart"}
+HF = ("hf", "hf-pld")
+ALL_METHODS = tuple(OWN) + HF
+
+
+@dataclass
+class MethodResult:
+    times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    draft_ms: float = 0.0
+    tree_ms: float = 0.0
+    verify_ms: float = 0.0
+    tau: float = 0.0
+    tau_per_depth: list[float] = field(default_factory=list)
+
+
+def _hf_generate(hf, tok, prompt_ids: list[list[int]], max_new: int, pld: bool, eos_ids) -> list[list[int]]:
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    T = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), T), pad, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, p in enumerate(prompt_ids):  # left padding for decoder-only batched generate
+        ids[i, T - len(p):] = torch.tensor(p)
+        att[i, T - len(p):] = 1
+    kw = dict(max_new_tokens=max_new, do_sample=False, attention_mask=att, pad_token_id=pad,
+              eos_token_id=list(eos_ids))
+    if pld:
+        kw["prompt_lookup_num_tokens"] = 10
+    with torch.inference_mode():
+        out = hf.generate(ids, **kw)
+    res = []
+    for row in out[:, T:].tolist():
+        cut = []
+        for t in row:
+            cut.append(t)
+            if t in eos_ids:
+                break
+        res.append(cut)
+    return res
+
+
+def run_bench(prompts: list[str], methods: list[str], *, model: str | None = None, drafter: str | None = None,
+              ngram: str | None = None, chat: bool = False, max_new_tokens: int = 128, batch_size: int = 1,
+              dtype: str = "bf16", threads: int | None = None, decoding: DecodingConfig | None = None,
+              warmup: int = 1, progress: bool = True) -> dict:
+    from dart_ray.drafters import make_drafter
+    from dart_ray.engine import Engine
+    from dart_ray.models import load_target
+
+    unknown = set(methods) - set(ALL_METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS}")
+    if "hf-pld" in methods and batch_size != 1:
+        raise ValueError("hf-pld (transformers prompt lookup) supports batch size 1 only")
+    if threads:
+        torch.set_num_threads(threads)
+    decoding = decoding or DecodingConfig()
+    target = load_target(model, dtype, "cpu", max_seq_len=2048)
+    engines = {}
+    for m in methods:
+        if m in OWN:
+            cfg = EngineConfig(model=model, method=OWN[m], drafter=drafter, ngram=ngram, dtype=dtype,
+                               max_batch_size=batch_size, max_seq_len=2048, decoding=decoding)
+            engines[m] = Engine(target, make_drafter(cfg, target), cfg)
+    hf = None
+    if any(m in HF for m in methods):
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(target.model_dir), dtype=target.model.embed.weight.dtype).eval()
+    any_engine = next(iter(engines.values()), None)
+    tok = target.tokenizer
+    encode = (any_engine.encode_prompt if any_engine else
+              (lambda p, c: Engine.encode_prompt(type("E", (), {"tokenizer": tok})(), p, c)))
+    prompt_ids = [encode(p, chat) for p in prompts]
+    eos = set(target.args.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    batches = [prompt_ids[i:i + batch_size] for i in range(0, len(prompt_ids), batch_size)]
+
+    def run(m: str, batch: list[list[int]]) -> list[list[int]]:
+        if m in engines:
+            return [c.token_ids for c in engines[m].generate(batch, params)]
+        return _hf_generate(hf, tok, batch, max_new_tokens, m == "hf-pld", eos)
+
+    for m in methods:  # warm-up (allocator, kernels) outside the measurement
+        for b in batches[:warmup]:
+            run(m, b)
+    for e in engines.values():
+        e.reset_stats()
+    res = {m: MethodResult() for m in methods}
+    it = range(len(batches))
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, desc="bench", unit="batch")
+    for i in it:
+        batch = batches[i]
+        rot = methods[i % len(methods):] + methods[:i % len(methods)]
+        for m in rot:
+            t0 = time.perf_counter()
+            outs = run(m, batch)
+            dt = time.perf_counter() - t0
+            res[m].times.append(dt)
+            res[m].tokens.append(sum(len(o) for o in outs))
+            res[m].outputs.extend(outs)
+    report = {"config": {"n_prompts": len(prompts), "methods": methods, "chat": chat, "batch_size": batch_size,
+                         "max_new_tokens": max_new_tokens, "dtype": dtype, "threads": torch.get_num_threads(),
+                         "model": model or "default", "drafter": drafter, "decoding": decoding.to_dict()},
+              "methods": {}}
+    ar_out = res["ar"].outputs if "ar" in res else None
+    for m in methods:
+        r = res[m]
+        tps = statistics.median(t / s for t, s in zip(r.tokens, r.times))
+        entry = {"tokens_per_s": tps, "total_tokens": sum(r.tokens), "total_s": sum(r.times),
+                 "n_prompts": len(prompts), "mean_accepted_len": None, "draft_ms": None, "tree_ms": None,
+                 "verify_ms": None, "outputs_match_ar": None}
+        if m in engines:
+            st = engines[m].stats()
+            split = st.time_split_ms()
+            entry.update(mean_accepted_len=st.mean_accepted_len, draft_ms=split["draft"], tree_ms=split["tree"],
+                         verify_ms=split["verify"], accept_ms=split["accept"], other_ms=split["other"],
+                         accepted_per_depth=[a / max(st.row_steps, 1) for a in st.accepted_per_depth])
+        if ar_out is not None:
+            entry["outputs_match_ar"] = r.outputs == ar_out
+            entry["n_mismatch"] = sum(a != b for a, b in zip(r.outputs, ar_out))
+        report["methods"][m] = entry
+    if "ar" in report["methods"]:
+        base = report["methods"]["ar"]["tokens_per_s"]
+        for m, e in report["methods"].items():
+            e["speedup_vs_ar"] = e["tokens_per_s"] / base
+    return report
+
+
+def plot_report(report: dict, out: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["methods"])
+    tps = [report["methods"][m]["tokens_per_s"] for m in names]
+    tau = [report["methods"][m]["mean_accepted_len"] or 1.0 for m in names]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    a1.bar(names, tps, color="tab:blue")
+    a1.set_ylabel("tokens/s")
+    a1.set_title("throughput")
+    a2.bar(names, tau, color="tab:orange")
+    a2.set_ylabel("mean accepted length (tau)")
+    a2.set_title("tau (HF methods shown as 1)")
+    c = report["config"]
+    fig.suptitle(f"{c['model']} {c['dtype']} bs={c['batch_size']} new={c['max_new_tokens']} n={c['n_prompts']}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def format_table(report: dict) -> str:
+    rows = ["| method | tok/s | speedup vs ar | tau | draft ms | tree ms | verify ms | matches ar |",
+            "|---|---|---|---|---|---|---|---|"]
+    f = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
+    for m, e in report["methods"].items():
+        rows.append(f"| {m} | {f(e['tokens_per_s'], 1)} | {f(e.get('speedup_vs_ar'))} | {f(e['mean_accepted_len'])} | "
+                    f"{f(e['draft_ms'])} | {f(e['tree_ms'])} | {f(e['verify_ms'])} | {f(e['outputs_match_ar'])} |")
+    return "\n".join(rows)
+
+
+def write_report(report: dict, out: str | Path) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))

@@ -1,0 +1,201 @@
+"""``dart-ray`` command line: generate | bench | build-ngram | prompts | serve | batch | tune | train-drafter.
+
+Heavy imports happen inside each subcommand so ``dart-ray --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser, default_method: str = "auto") -> None:
+    p.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--method", default=default_method, choices=["auto", "dart", "ngram", "none", "ar"],
+                   help="drafting method; auto = dart if a trained drafter is shipped for the model, else ngram")
+    p.add_argument("--drafter", default=None, help="DART drafter dir ('random' = untrained; default: shipped)")
+    p.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables; default: shipped)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--profile", default=None, help="decoding profile (name or YAML path) from `dart-ray tune`")
+
+
+def resolve_method(method: str, model: str | None, drafter: str | None) -> str:
+    """``auto`` -> ``dart`` when a drafter is given or shipped for the target, else ``ngram``."""
+    if method == "ar":
+        return "none"
+    if method != "auto":
+        return method
+    if drafter:
+        return "dart"
+    from dart_ray.drafters import default_artifact_dir
+    from dart_ray.models.loading import model_id_for, resolve_model_dir
+
+    mid = model_id_for(resolve_model_dir(model))
+    return "dart" if (default_artifact_dir(mid) / "drafter" / "dart_config.json").is_file() else "ngram"
+
+
+def engine_config_from_args(a: argparse.Namespace, max_batch_size: int = 8):
+    from dart_ray.config import EngineConfig
+
+    method = resolve_method(a.method, a.model, a.drafter)
+    return EngineConfig(model=a.model, method=method, drafter=a.drafter, ngram=a.ngram, dtype=a.dtype,
+                        device=a.device, num_threads=a.threads, max_seq_len=a.max_seq_len,
+                        max_batch_size=max_batch_size)
+
+
+def _apply_profile(engine, profile: str | None) -> None:
+    if profile:
+        from dart_ray.profiles import load_profile
+
+        engine.set_decoding(load_profile(profile))
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from dart_ray import Engine, PromptTooLongError, SamplingParams
+
+    cfg = engine_config_from_args(a, max_batch_size=1)
+    params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.seed, stop=tuple(a.stop or ()))
+    engine = Engine.from_config(cfg)
+    _apply_profile(engine, a.profile)
+    try:
+        engine.add_request(a.prompt, params, request_id="cli", chat=a.chat)
+    except (PromptTooLongError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    n, last = 0, None
+    while engine.has_unfinished():
+        for o in engine.step():
+            sys.stdout.write(o.new_text)
+            sys.stdout.flush()
+            n += len(o.new_token_ids)
+            last = o
+    dt = time.perf_counter() - t0
+    st = last.stats
+    print()
+    print(f"[{cfg.method}] {n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s | tau {st.mean_accepted_len:.2f} | "
+          f"finish {last.finish_reason}", file=sys.stderr if a.stats_stderr else sys.stdout)
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from dart_ray.bench.prompts import load_prompts
+    from dart_ray.bench.runner import format_table, plot_report, run_bench, write_report
+
+    prompts = load_prompts(a.prompts, limit=a.limit)
+    decoding = None
+    if a.profile:
+        from dart_ray.profiles import load_profile
+
+        decoding = load_profile(a.profile).for_batch_size(a.batch_size)
+    report = run_bench(prompts, a.methods.split(","), model=a.model, drafter=a.drafter, ngram=a.ngram,
+                       chat=a.chat, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, dtype=a.dtype,
+                       threads=a.threads, decoding=decoding)
+    print(format_table(report))
+    if a.out:
+        write_report(report, a.out)
+        print(f"wrote {a.out}")
+    if a.plot:
+        plot_report(report, a.plot)
+        print(f"wrote {a.plot}")
+    return 0
+
+
+def cmd_prompts(a: argparse.Namespace) -> int:
+    from dart_ray.bench.prompts import load_prompts, write_jsonl
+
+    prompts = load_prompts(a.source, limit=a.limit)
+    write_jsonl(prompts, a.out)
+    print(f"wrote {len(prompts)} prompts to {a.out}")
+    return 0
+
+
+def cmd_build_ngram(argv: list[str]) -> int:
+    from dart_ray.ngram import build_ngram_cli
+
+    return build_ngram_cli(argv)
+
+
+def _delegate(module: str, func: str, argv: list[str]) -> int:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        print(f"error: {module} is unavailable ({e}); install the extras: pip install 'dart-ray[serve,tune]'",
+              file=sys.stderr)
+        return 2
+    return getattr(mod, func)(argv)
+
+
+DELEGATED = {
+    "build-ngram": ("dart_ray.ngram.build", "build_ngram_cli"),
+    "serve": ("deployments.cli", "serve_cli"),
+    "batch": ("batch.cli", "batch_cli"),
+    "tune": ("tuning.cli", "tune_cli"),
+    "train-drafter": ("dart_ray.training.cli", "train_cli"),
+    "gen-data": ("dart_ray.training.cli", "gen_data_cli"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dart-ray", description="Lossless DART speculative decoding on Ray")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt (streams to stdout)")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="apply the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--stats-stderr", action="store_true", help="print the stats line to stderr")
+    _add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+    b = sub.add_parser("bench", help="benchmark methods on a prompt file (one process, interleaved, medians)")
+    b.add_argument("--prompts", required=True, help=".jsonl/.parquet with a 'prompt' column, or humaneval|chat")
+    b.add_argument("--methods", default="ar,ngram,dart,hf,hf-pld")
+    b.add_argument("--chat", action="store_true")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    b.add_argument("--out", default=None, help="results JSON")
+    b.add_argument("--plot", default=None, help="results PNG")
+    _add_engine_args(b, default_method="auto")
+    b.set_defaults(func=cmd_bench)
+    pr = sub.add_parser("prompts", help="export a prompt set (humaneval|chat|FILE) to .jsonl")
+    pr.add_argument("source")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--limit", type=int, default=None)
+    pr.set_defaults(func=cmd_prompts)
+    for name in DELEGATED:
+        sub.add_parser(name, help=f"see `dart-ray {name} --help`", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        module, func = DELEGATED[argv[0]]
+        return _delegate(module, func, argv[1:])
+    a = build_parser().parse_args(argv)
+    if getattr(a, "threads", None):
+        import torch
+
+        torch.set_num_threads(a.threads)
+    try:
+        return a.func(a)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""OpenAI-compatible request parsing and response bodies (no Ray, no FastAPI).
+
+Parsing is explicit (no pydantic models) so every rejection is an OpenAI-style error body::
+
+    {"error": {"message": ..., "type": "invalid_request_error", "param": "max_tokens", "code": ...}}
+
+Supported: ``/v1/completions`` (prompt: string, token ids, or a one-element list of either) and
+``/v1/chat/completions`` (messages with string or text-part content), ``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k`` (vLLM extra), ``seed``, ``stop``
+(string or list), ``stop_token_ids`` / ``ignore_eos`` (vLLM extras), ``stream`` with
+``stream_options.include_usage``, ``n`` = 1 only, and the extra ``speculative`` field
+(``true``/``false``/``{"method": "dart"|"ngram"|"none"}``). Parameters that would change the output
+in ways the engine cannot honour (logprobs, echo, suffix, penalties, logit_bias, tools, json mode,
+n > 1, best_of > 1) are rejected with 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+METHODS = ("dart", "ngram", "none")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error that maps to an HTTP status and an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass
+class GenerationRequest:
+    """A validated completion or chat request."""
+
+    kind: str                       # "completion" | "chat"
+    model: str | None
+    prompt: Any                     # str | list[int] | list[dict] (chat messages)
+    chat: bool
+    max_tokens: int | None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    speculative: str | None = None  # None: the server's method; else "dart" | "ngram" | "none"
+    user: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def parse_json(raw: bytes) -> dict:
+    if not raw:
+        raise bad("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad(f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+# ---- typed getters ------------------------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(body: dict, key: str, default, lo: float, hi: float, lo_open: bool = False):
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise bad(f"'{key}' must be a number, got {type(v).__name__}", key, "invalid_type")
+    if v != v or v < lo or v > hi or (lo_open and v == lo):
+        rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise bad(f"'{key}' must be in {rng}, got {v}", key)
+    return float(v)
+
+
+def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise bad(f"'{key}' must be an integer, got {type(v).__name__}", key, "invalid_type")
+    if lo is not None and v < lo:
+        raise bad(f"'{key}' must be >= {lo}, got {v}", key)
+    if hi is not None and v > hi:
+        raise bad(f"'{key}' must be <= {hi}, got {v}", key)
+    return v
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{key}' must be a boolean, got {type(v).__name__}", key, "invalid_type")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if any(s == "" for s in v):
+        raise bad("'stop' strings must be non-empty", "stop")
+    return tuple(v)
+
+
+def _token_ids(v, key: str) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise bad(f"'{key}' must be a list of integers", key, "invalid_type")
+    return list(v)
+
+
+def _speculative(body: dict) -> str | None:
+    v = body.get("speculative")
+    if v is None or v is True:
+        return None
+    if v is False:
+        return "none"
+    if isinstance(v, str):
+        v = {"method": v}
+    if isinstance(v, dict):
+        unknown = set(v) - {"method"}
+        if unknown:
+            raise bad(f"'speculative' supports only the key 'method', got {sorted(unknown)}", "speculative")
+        m = v.get("method")
+        if m not in METHODS:
+            raise bad(f"'speculative.method' must be one of {list(METHODS)}, got {m!r}", "speculative")
+        return m
+    raise bad("'speculative' must be a boolean or an object {\"method\": ...}", "speculative", "invalid_type")
+
+
+def _unsupported(body: dict) -> None:
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise bad(f"only n=1 is supported, got n={n}", "n", "unsupported_value")
+    best_of = _int(body, "best_of", 1)
+    if best_of != 1:
+        raise bad(f"only best_of=1 is supported, got {best_of}", "best_of", "unsupported_value")
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        v = body.get(key)
+        neutral = 1.0 if key == "repetition_penalty" else 0.0
+        if v is not None:
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise bad(f"'{key}' must be a number", key, "invalid_type")
+            if v != neutral:
+                raise bad(f"'{key}' is not supported (lossless speculative decoding of the plain model)",
+                          key, "unsupported_value")
+    if body.get("logit_bias"):
+        raise bad("'logit_bias' is not supported", "logit_bias", "unsupported_value")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise bad("'logprobs' is not supported", "logprobs", "unsupported_value")
+    if body.get("echo"):
+        raise bad("'echo' is not supported", "echo", "unsupported_value")
+    if body.get("suffix"):
+        raise bad("'suffix' is not supported", "suffix", "unsupported_value")
+    if body.get("tools") or body.get("functions"):
+        raise bad("tool calling is not supported", "tools", "unsupported_value")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type", "text") == "text"):
+        raise bad("only response_format {\"type\": \"text\"} is supported", "response_format",
+                  "unsupported_value")
+
+
+def _common(body: dict, kind: str, prompt, chat: bool, max_tokens: int | None) -> GenerationRequest:
+    _unsupported(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model", "invalid_type")
+    stream = _bool(body, "stream", False)
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
+        include_usage = _bool(so, "include_usage", False)
+    stop_ids = body.get("stop_token_ids")
+    user = body.get("user")
+    return GenerationRequest(
+        kind=kind, model=model, prompt=prompt, chat=chat, max_tokens=max_tokens,
+        temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=max(0, _int(body, "top_k", 0, -1)),          # vLLM: -1 = disabled
+        seed=_int(body, "seed", None, 0, (1 << 63) - 1),
+        stop=_stop(body),
+        stop_token_ids=tuple(_token_ids(stop_ids, "stop_token_ids")) if stop_ids is not None else (),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        stream=stream, include_usage=stream and include_usage,
+        speculative=_speculative(body),
+        user=user if isinstance(user, str) else None,
+    )
+
+
+def parse_completion(body: dict) -> GenerationRequest:
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("'prompt' is required", "prompt", "missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]                                 # a batch of one
+    if isinstance(p, str):
+        prompt = p
+    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+        prompt = list(p)
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise bad("batched prompts are not supported; send one prompt per request", "prompt",
+                  "unsupported_value")
+    elif isinstance(p, list) and not p:
+        raise bad("'prompt' is empty", "prompt")
+    else:
+        raise bad("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
+    max_tokens = _int(body, "max_tokens", 16, 1)
+    return _common(body, "completion", prompt, False, max_tokens)
+
+
+def _message_content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for part in c:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
+                          "unsupported_value")
+        return "".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content",
+              "invalid_type")
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    if "messages" not in body or body["messages"] is None:
+        raise bad("'messages' is required", "messages", "missing_required_parameter")
+    msgs = body["messages"]
+    if not isinstance(msgs, list):
+        raise bad("'messages' must be a list", "messages", "invalid_type")
+    if not msgs:
+        raise bad("'messages' must not be empty", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}",
+                      f"messages[{i}].role")
+        out.append({"role": "system" if role == "developer" else role, "content": _message_content(m, i)})
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, key, None, 1)
+    return _common(body, "chat", out, True, max_tokens)
+
+
+# ---- responses ------------------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(num_prompt: int, num_completion: int, stats: dict | None, method: str) -> dict:
+    u = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+         "total_tokens": num_prompt + num_completion}
+    s = stats or {}
+    u["speculative"] = {"method": method,
+                        "mean_accepted_len": float(s.get("mean_accepted_len", 0.0)),
+                        "steps": int(s.get("steps", 0)), "draft_tokens": int(s.get("draft_tokens", 0)),
+                        "accepted_tokens": int(s.get("accepted_tokens", 0)),
+                        "accepted_per_depth": list(s.get("accepted_per_depth", []))}
+    return u
+
+
+def completion_response(req: GenerationRequest, rid: str, created: int, model: str, text: str,
+                        finish_reason: str | None, use: dict) -> dict:
+    if req.kind == "chat":
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": finish_reason}],
+                "usage": use, "system_fingerprint": None}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use, "system_fingerprint": None}
+
+
+def chunk(req: GenerationRequest, rid: str, created: int, model: str, text: str | None,
+          finish_reason: str | None = None, role: bool = False) -> dict:
+    if req.kind == "chat":
+        delta: dict = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(req: GenerationRequest, rid: str, created: int, model: str, use: dict) -> dict:
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def now() -> int:
+    return int(time.time())

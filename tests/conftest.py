@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny random Llama-family checkpoints (saved by transformers, so they double as
+oracles) and the real SmolLM2 default (converted once into a session cache)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+# Keep test caches inside the repo-independent tmp dir unless the user set one.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+TINY_VOCAB = 49152  # SmolLM2's tokenizer is reused for the tiny models
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_hf_config(family: str, **overrides):
+    import transformers as tf
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+                  pad_token_id=2)
+    common.update(overrides)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common)
+    elif family == "mistral":
+        cfg = tf.MistralConfig(sliding_window=None, **common)
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(head_dim=16, **common)
+    else:
+        raise ValueError(family)
+    return cfg
+
+
+def make_tiny_checkpoint(out: Path, family: str, tokenizer_dir: Path | None, seed: int = 0, **overrides) -> Path:
+    """Save a random HF model of ``family`` (and SmolLM2's tokenizer) into ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # random weights with a little more spread than the init, so logits are not all near-ties
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+            else:
+                p.uniform_(0.8, 1.2)
+    model.save_pretrained(str(out), safe_serialization=True)
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+                shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The embedded default, converted to safetensors once (cached across sessions)."""
+    from dart_ray.models import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, smollm_dir) -> dict[str, Path]:
+    """family -> directory of a tiny random checkpoint with SmolLM2's tokenizer."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {fam: make_tiny_checkpoint(root / fam, fam, smollm_dir, seed=i) for i, fam in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32(smollm_dir):
+    from dart_ray.models import load_target
+
+    return load_target(str(smollm_dir), "fp32", max_seq_len=1024)

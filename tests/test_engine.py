@@ -1,0 +1,221 @@
+"""Engine exactness (fp32): every drafter's greedy output equals plain AR token for token —
+batch 1 and 4, mixed prompt lengths, requests joining/leaving mid-run — plus stop conditions,
+streaming and errors. Tiny random targets keep these fast."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
+from dart_ray.drafters import Drafter, make_drafter
+from dart_ray.engine import PromptTooLongError
+from dart_ray.models import load_target
+from dart_ray.tree import pack_trees
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "Hello",
+    "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3",
+]
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs):
+    return load_target(str(tiny_dirs["llama"]), "fp32", max_seq_len=512)
+
+
+def make_engine(target, method="none", drafter=None, batch=4, decoding=None, seq=512):
+    cfg = EngineConfig(method=method, drafter=drafter, ngram="none", dtype="fp32", max_batch_size=batch,
+                       max_seq_len=seq, decoding=decoding or DecodingConfig(tree_budget=24, top_k=8, beam_width=6))
+    return Engine(target, make_drafter(cfg, target), cfg)
+
+
+@pytest.fixture(scope="module")
+def ar_out(tiny):
+    eng = make_engine(tiny, "none", batch=1)
+    return [eng.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
+
+
+class OracleDrafter(Drafter):
+    """Test drafter: proposes the known AR continuation plus decoy siblings at every level, so deep
+    acceptance, branch selection and KV commit of non-contiguous paths are all exercised."""
+
+    name = "oracle"
+
+    def __init__(self, futures: dict[tuple[int, ...], list[int]], depth: int = 5, vocab: int = 49152) -> None:
+        super().__init__()
+        self.futures = futures  # prompt ids -> AR continuation
+        self.depth = depth
+        self.vocab = vocab
+        self.max_depth = depth
+
+    def propose(self, view):
+        trees = []
+        for b in range(view.batch_size):
+            seq = [int(t) for t in view.tokens[b, :view.lengths[b]]] + [int(view.roots[b])]
+            cont = None
+            for prompt, fut in self.futures.items():
+                full = list(prompt) + fut
+                if full[:len(seq)] == seq:
+                    cont = full[len(seq):len(seq) + self.depth]
+            toks, pars = [], []
+            parent = 0
+            rng = np.random.default_rng(len(seq))
+            for i, t in enumerate(cont or []):
+                decoy = int((t + 1 + rng.integers(1000)) % self.vocab)
+                toks.append(decoy)  # decoy first: the true child is not always node parent+1
+                pars.append(parent)
+                if i == 3:  # break the chain once: a wrong token at depth 4 ends acceptance there
+                    t = (t + 7) % self.vocab
+                toks.append(t)
+                pars.append(parent)
+                parent = len(toks)
+            trees.append((toks, pars))
+        return pack_trees(view.roots, trees)
+
+
+@pytest.mark.parametrize("method,drafter", [("ngram", None), ("dart", "random")])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_ar(tiny, ar_out, method, drafter, batch):
+    eng = make_engine(tiny, method, drafter, batch=batch)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_out
+    st = eng.stats()
+    assert st.steps > 0 and st.row_steps >= st.steps
+
+
+def test_ngram_drafter_accepts_on_repetitive_text(tiny, ar_out):
+    eng = make_engine(tiny, "ngram", batch=4)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_out
+    assert eng.stats().draft_tokens > 0
+
+
+def test_oracle_drafter_deep_acceptance_exact(tiny, ar_out):
+    prompt_ids = [tuple(make_engine(tiny).encode_prompt(p)) for p in PROMPTS]
+    futures = dict(zip(prompt_ids, ar_out))
+    cfg = EngineConfig(method="none", dtype="fp32", max_batch_size=4, max_seq_len=512)
+    eng = Engine(tiny, OracleDrafter(futures), cfg)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_out
+    tau = eng.stats().mean_accepted_len
+    assert tau > 3.0, tau  # 3 accepted drafts + bonus per step (the 4th is broken on purpose)
+    assert eng.stats().accepted_per_depth[:3] == [eng.stats().accepted_per_depth[0]] * 3
+
+
+def test_join_and_leave_mid_run(tiny, ar_out):
+    """Requests arrive while others decode; short ones leave early (rows compact)."""
+    for method, drafter in [("none", None), ("ngram", None), ("dart", "random")]:
+        eng = make_engine(tiny, method, drafter, batch=3)
+        lens = [24, 5, 17, 9]
+        ids = {}
+        results: dict[str, list[int]] = {}
+        ids[eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=lens[0], ignore_eos=True))] = 0
+        step = 0
+        while eng.has_unfinished() or len(ids) < 4:
+            if step in (1, 2, 4) and len(ids) < 4:
+                i = len(ids)
+                ids[eng.add_request(PROMPTS[i], SamplingParams(max_new_tokens=lens[i], ignore_eos=True))] = i
+            for o in eng.step():
+                results.setdefault(o.request_id, []).extend(o.new_token_ids)
+            step += 1
+        for rid, i in ids.items():
+            assert results[rid] == ar_out[i][:lens[i]], (method, i)
+        assert eng.num_running == 0 and all(n == 0 for n in eng.cache.lengths)
+
+
+def test_more_requests_than_rows(tiny, ar_out):
+    eng = make_engine(tiny, "dart", "random", batch=2)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_out
+
+
+def test_stop_token_and_max_tokens(tiny, ar_out):
+    eng = make_engine(tiny, "ngram", batch=2)
+    target_tok = ar_out[0][5]
+    first = ar_out[0].index(target_tok)
+    out = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=24, stop_token_ids=(target_tok,), ignore_eos=True))[0]
+    assert out.token_ids == ar_out[0][:first + 1] and out.finish_reason == "stop"
+    out = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert out.token_ids == ar_out[0][:3] and out.finish_reason == "length"
+
+
+def test_stop_string_and_streaming_text(tiny, ar_out):
+    eng = make_engine(tiny, "ngram", batch=1)
+    full = eng.generate(PROMPTS[1], GREEDY)[0]
+    chunks = [o.new_text for o in eng.stream(PROMPTS[1], GREEDY)]
+    assert "".join(chunks) == full.text == eng.tokenizer.decode(ar_out[1], skip_special_tokens=True)
+    if len(full.text) > 6:
+        stop = full.text[3:6]
+        out = eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=24, stop=(stop,), ignore_eos=True))[0]
+        assert out.finish_reason == "stop"
+        assert out.text == full.text[:full.text.find(stop)]
+
+
+def test_sampling_reproducible_and_exact_for_topk1(tiny, ar_out):
+    eng = make_engine(tiny, "dart", "random", batch=2)
+    sp = SamplingParams(max_new_tokens=16, temperature=0.8, seed=123, ignore_eos=True)
+    a = eng.generate(PROMPTS[:2], sp)
+    b = eng.generate(PROMPTS[:2], sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    ar = make_engine(tiny, "none", batch=2).generate(PROMPTS[:2], sp)
+    # top_k=1 sampling is greedy: every method must reproduce AR exactly
+    g = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=1, seed=1, ignore_eos=True)
+    assert [o.token_ids for o in eng.generate(PROMPTS, g)] == [x[:16] for x in ar_out]
+    assert len(ar[0].token_ids) == 16
+
+
+def test_errors_and_abort(tiny):
+    eng = make_engine(tiny, "dart", "random", batch=2, seq=128)
+    with pytest.raises(PromptTooLongError):
+        eng.add_request(list(range(10, 10 + 120)), GREEDY)
+    with pytest.raises(ValueError):
+        eng.add_request("", GREEDY)
+    with pytest.raises(ValueError):
+        eng.add_request([10**9], GREEDY)
+    # all-or-nothing batch add: nothing left behind
+    with pytest.raises(ValueError):
+        eng.generate(["ok", ""], GREEDY)
+    assert not eng.has_unfinished()
+    rid = eng.add_request("Hello there", SamplingParams(max_new_tokens=50, ignore_eos=True))
+    eng.step()
+    out = eng.abort(rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert eng.num_running == 0 and not eng.has_unfinished()
+    # a stream closed early aborts its request (no leaked rows)
+    s = eng.stream("Hello there", SamplingParams(max_new_tokens=50, ignore_eos=True))
+    next(s)
+    s.close()
+    assert eng.num_running == 0
+
+
+def test_context_limit_finishes_with_length(tiny):
+    eng = make_engine(tiny, "none", batch=1, seq=64, decoding=DecodingConfig(tree_budget=4))
+    out = eng.generate("Hello", SamplingParams(max_new_tokens=500, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) < 64
+
+
+def test_runtime_decoding_change(tiny, ar_out):
+    eng = make_engine(tiny, "ngram", batch=4)
+    eng.set_decoding(DecodingConfig(chunk_len=2, tree_budget=3, beam_width=1))
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar_out
+    from dart_ray import DecodingSchedule
+    sched = DecodingSchedule("t", ((1, DecodingConfig(tree_budget=2)), (8, DecodingConfig(tree_budget=9))))
+    eng.set_decoding(sched)
+    assert eng.decoding_for(1).tree_budget == 2 and eng.decoding_for(3).tree_budget == 9
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == ar_out
+
+
+@pytest.mark.slow
+def test_smollm_untrained_drafter_exact(smollm_fp32):
+    prompts = ["def fibonacci(n):", "Write a short poem about rain.", "import os\nimport sys\n"]
+    sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    ar = make_engine(smollm_fp32, "none", batch=1, seq=1024)
+    ref = [ar.generate(p, sp)[0].token_ids for p in prompts]
+    for method, drafter in [("dart", "random"), ("ngram", None)]:
+        eng = make_engine(smollm_fp32, method, drafter, batch=4, seq=1024, decoding=DecodingConfig())
+        assert [o.token_ids for o in eng.generate(prompts, sp)] == ref, method
