@@ -67,6 +67,7 @@ class ServerMetrics:
         self.errors: dict[str, int] = {}        # HTTP status -> count
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.aborted = 0                        # clients that went away mid-request
 
     def finished(self, reason: str, latency_s: float, num_prompt: int, num_completion: int) -> None:
         self.requests[reason] = self.requests.get(reason, 0) + 1
@@ -139,6 +140,8 @@ class ServerMetrics:
                 for k, v in sorted(self.requests.items())])
         family("dart_ray:request_errors_total", "counter", "Requests answered with an error, by status.",
                [("dart_ray:request_errors_total", {**L, "status": k}, v) for k, v in sorted(self.errors.items())])
+        family("dart_ray:request_aborted_total", "counter", "Requests aborted because the client went away.",
+               [("dart_ray:request_aborted_total", L, self.aborted)])
         out.append("# HELP dart_ray:request_latency_seconds End-to-end request latency.")
         out.append("# TYPE dart_ray:request_latency_seconds histogram")
         out.extend(self.latency.lines("dart_ray:request_latency_seconds", L))

@@ -47,6 +47,7 @@ class DartDrafter(Drafter):
         self.pending = [None] * max_batch
 
     # ---- state updates ----------------------------------------------------------------------
+    @torch.inference_mode()
     def _set_pending(self, row: int, taps: torch.Tensor, nxt: torch.Tensor) -> None:
         """taps [P, nT*H], nxt [P]: append to the row's pending context (precomputed layer inputs)."""
         h, resid = self.model.context_inputs(taps, self.embed(nxt))  # [P, 2H], [P, H]

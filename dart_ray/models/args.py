@@ -100,7 +100,7 @@ class ModelArgs:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=(mt == "qwen2") or attention_bias,
+            qkv_bias=(mt == "qwen2") or (attention_bias and mt in ("llama", "qwen3")),
             o_bias=attention_bias and mt in ("llama", "qwen3"),
             qk_norm=(mt == "qwen3"),
             sliding_window=int(sliding) if sliding else None,

@@ -1,0 +1,1 @@
+"""Drafter training: prompt corpus, self-distillation data, prefix-shared masked training."""

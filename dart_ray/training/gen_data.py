@@ -1,0 +1,89 @@
+"""Self-distillation data: the target answers the corpus prompts (resumable parquet shards).
+
+Each shard ``shard-NNNNN.parquet`` holds complete rows and is written atomically (temp file +
+rename), so an interrupted run resumes at the first missing shard. Generation uses the project's
+own engine; speculative methods are lossless, so ``method="ngram"`` yields exactly the target's
+greedy answers, only faster.
+
+Columns: prompt (str), source (code|chat), chat (bool), prompt_ids (list<int32>),
+response_ids (list<int32>), split (train|val; by a hash of the prompt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+SCHEMA_COLUMNS = ("prompt", "source", "chat", "prompt_ids", "response_ids", "split")
+
+
+def split_of(prompt: str, val_frac: float) -> str:
+    h = int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "val" if h < val_frac else "train"
+
+
+def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500, max_new_tokens: int = 128,
+                  batch_size: int = 16, temperature: float = 0.0, model: str | None = None, dtype: str = "bf16",
+                  method: str = "ngram", shard_size: int = 64, seed: int = 0, val_frac: float = 0.05,
+                  threads: int | None = None, progress: bool = True, corpus: list[dict] | None = None) -> Path:
+    """Generate target answers for ``corpus`` (default: :func:`build_corpus`) into parquet shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dart_ray import Engine, EngineConfig, SamplingParams
+    from dart_ray.training.corpus import build_corpus
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = corpus if corpus is not None else build_corpus(n_code, n_chat, seed)
+    shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)]
+    todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.parquet").is_file()]
+    if not todo:
+        return out
+    engine = Engine.from_config(EngineConfig(model=model, method=method, ngram="none", dtype=dtype,
+                                             max_batch_size=batch_size, num_threads=threads))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(len(shards[i]) for i in todo), desc="self-distill", unit="prompt")
+    for i in todo:
+        shard = shards[i]
+        recs = []
+        for chat in (False, True):
+            part = [r for r in shard if r["chat"] == chat]
+            if not part:
+                continue
+            texts = [r["prompt"] for r in part]
+            comps = engine.generate(texts, params, chat=chat)
+            for r, c in zip(part, comps):
+                recs.append({"prompt": r["prompt"], "source": r["source"], "chat": chat,
+                             "prompt_ids": engine.encode_prompt(r["prompt"], chat), "response_ids": c.token_ids,
+                             "split": split_of(r["prompt"], val_frac)})
+            if bar is not None:
+                bar.update(len(part))
+        table = pa.table({k: [r[k] for r in recs] for k in SCHEMA_COLUMNS})
+        dst = out / f"shard-{i:05d}.parquet"
+        tmp = out / f".shard-{i:05d}.parquet.tmp"
+        pq.write_table(table, tmp)
+        os.replace(tmp, dst)
+    if bar is not None:
+        bar.close()
+    return out
+
+
+def load_sequences(data_dir: str | Path, split: str) -> list[tuple[list[int], int]]:
+    """(prompt + response ids, prompt length) for every row of ``split``."""
+    import pyarrow.parquet as pq
+
+    files = sorted(Path(data_dir).glob("shard-*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"no shard-*.parquet in {data_dir}; run `dart-ray gen-data` first")
+    out = []
+    for f in files:
+        t = pq.read_table(f, columns=["prompt_ids", "response_ids", "split"]).to_pydict()
+        for p, r, s in zip(t["prompt_ids"], t["response_ids"], t["split"]):
+            if s == split and len(r) >= 2:
+                out.append((list(p) + list(r), len(p)))
+    return out

@@ -1,0 +1,231 @@
+"""Optuna studies in a real database, and the Ray Tune searcher that feeds them.
+
+Resume semantics (the database is the source of truth; the Tune experiment directory is only a
+record of each run):
+
+* One study per (workload, batch size), named ``<workload>.bs<B>``, in an RDB storage
+  (``sqlite:///path/tune.db`` by default; any SQLAlchemy URL Optuna accepts).
+* ``--trials N`` is a *target*: a run executes ``N - finished`` new trials, where *finished*
+  counts COMPLETE, PRUNED and FAILED (errored) trials. Re-running with the same storage after
+  all N finished runs nothing new; raising N runs only the difference.
+* A trial left RUNNING in the database was interrupted (driver killed, time budget hit,
+  exception): on the next run it is marked FAIL with ``interrupted=True`` (not counted) and its
+  parameters are enqueued again once, so the point it was evaluating is not lost.
+* The default point is enqueued into a fresh study, so it is always the first trial.
+* The study records a fingerprint of the setup (model, method, drafter, dtype, prompts,
+  lengths, search space); resuming with a different setup is refused instead of silently mixing
+  incomparable throughputs.
+* The TPE sampler is seeded with ``seed + number of trials already in the study``: a resumed run
+  does not replay the random start-up points of the interrupted one.
+
+Only the driver touches the database (the searcher lives in the Tune driver); workers only
+report metrics. One tune run per study at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from tuning.objective import METRIC
+from tuning.space import SearchSpace
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+log = logging.getLogger(__name__)
+
+
+class StudyMismatchError(ValueError):
+    """The storage already holds a study of this name tuned under a different setup."""
+
+
+def default_storage_url(out_dir: str | Path) -> str:
+    return f"sqlite:///{Path(out_dir).resolve() / 'tune.db'}"
+
+
+def open_storage(url: str) -> optuna.storages.RDBStorage:
+    """An RDB storage for ``url`` (the SQLite file's folder is created)."""
+    kwargs: dict = {}
+    if url.startswith("sqlite:///"):
+        path = Path(url[len("sqlite:///"):])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+    return optuna.storages.RDBStorage(url, **kwargs)
+
+
+def study_name(workload: str, batch_size: int) -> str:
+    return f"{workload}.bs{batch_size}"
+
+
+def is_interrupted(t: optuna.trial.FrozenTrial) -> bool:
+    return t.state == TrialState.FAIL and bool(t.user_attrs.get("interrupted"))
+
+
+def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Trials that count toward the target: complete, pruned, or errored (not interrupted)."""
+    return [t for t in study.get_trials(deepcopy=False)
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+            or (t.state == TrialState.FAIL and not is_interrupted(t))]
+
+
+def best_complete(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    return max(done, key=lambda t: t.value) if done else None
+
+
+def default_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if t.user_attrs.get("is_default"):
+            return t
+    return None
+
+
+@dataclass
+class StudyStatus:
+    study: optuna.Study
+    finished: int
+    remaining: int
+    requeued: int
+
+
+def prepare_study(storage, name: str, fingerprint: dict, space: SearchSpace, target_trials: int,
+                  max_requeue: int = 1) -> StudyStatus:
+    """Create or load ``name``; fail interrupted trials (re-enqueueing their points); enqueue the
+    default point into a fresh study; return how many trials remain to reach ``target_trials``."""
+    study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
+    old = study.user_attrs.get("fingerprint")
+    if old is not None and old != fingerprint:
+        diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+        raise StudyMismatchError(
+            f"study {name!r} in this storage was tuned with a different setup (differs in {diff}); "
+            "use another --workload name or --storage, or the same settings as before")
+    if old is None:
+        study.set_user_attr("fingerprint", fingerprint)
+    st = study._storage
+    waiting = [t.params for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+    requeued = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        st.set_trial_user_attr(t._trial_id, "interrupted", True)
+        st.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        tries = int(t.user_attrs.get("requeued", 0))
+        if t.params and space.contains(t.params) and tries < max_requeue and t.params not in waiting:
+            attrs = {"requeued": tries + 1}
+            if t.user_attrs.get("is_default"):
+                attrs["is_default"] = True
+            study.enqueue_trial(t.params, user_attrs=attrs)
+            waiting.append(t.params)
+            requeued += 1
+    if not study.get_trials(deepcopy=False):
+        study.enqueue_trial(space.default_point(), user_attrs={"is_default": True})
+    finished = len(finished_trials(study))
+    return StudyStatus(study, finished, max(0, target_trials - finished), requeued)
+
+
+def make_sampler(seed: int | None, study: optuna.Study) -> optuna.samplers.BaseSampler:
+    n = len(study.get_trials(deepcopy=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=None if seed is None else seed + n, multivariate=True,
+                                          n_startup_trials=8)
+
+
+def _searcher_class():
+    from ray.tune.search.optuna import OptunaSearch
+
+    class StudySearch(OptunaSearch):
+        """``OptunaSearch`` over a persistent study, with honest trial states.
+
+        OptunaSearch itself tells Optuna COMPLETE for any trial that has a last result. Here:
+        COMPLETE only when the trial measured all its prompts (``complete`` metric), PRUNED when
+        the scheduler stopped it early, FAIL (+ error text) when it raised, and FAIL with
+        ``interrupted=True`` when the run ended under it (time budget, shutdown) — see module doc.
+        """
+
+        def __init__(self, *, space: SearchSpace, study: optuna.Study, sampler, stopped: set) -> None:
+            super().__init__(space=space.distributions(), metric=METRIC, mode="max", sampler=sampler,
+                             study_name=study.study_name, storage=study._storage)
+            self._stopped = stopped            # trial ids the scheduler stopped (shared with it)
+            self._pending_fail: dict[str, object] = {}
+
+        def suggest(self, trial_id: str):
+            params = super().suggest(trial_id)
+            ot = self._ot_trials.get(trial_id)
+            if ot is not None:
+                ot.set_user_attr("tune_trial_id", trial_id)
+            return params
+
+        def on_trial_result(self, trial_id: str, result: dict) -> None:
+            if trial_id in self._completed_trials or trial_id not in self._ot_trials:
+                return
+            super().on_trial_result(trial_id, result)
+            ot = self._ot_trials[trial_id]
+            for k in ("tau", "prompts_done", "tokens", "seconds", "worker_pid", "engine_builds"):
+                if k in result:
+                    ot.set_user_attr(k, result[k])
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+            if trial_id in self._completed_trials or trial_id not in self._ot_trials:
+                return
+            ot = self._ot_trials[trial_id]
+            if error:
+                self._pending_fail[trial_id] = ot   # told once the error text arrives (record_error)
+                return
+            value = (result or {}).get(METRIC)
+            if result and result.get("complete") and value is not None:
+                self._tell(trial_id, value, TrialState.COMPLETE)
+            elif value is not None and trial_id in self._stopped:
+                self._tell(trial_id, None, TrialState.PRUNED)
+            else:
+                ot.set_user_attr("interrupted", True)
+                self._tell(trial_id, None, TrialState.FAIL)
+
+        def record_error(self, trial_id: str, message: str) -> None:
+            ot = self._pending_fail.pop(trial_id, None)
+            if ot is None:
+                return
+            ot.set_user_attr("error", message[:2000])
+            self._tell(trial_id, None, TrialState.FAIL)
+
+        def finalize(self) -> None:
+            """Close every trial Tune left open (called after the Tune run returns or raises)."""
+            for tid in list(self._pending_fail):
+                self.record_error(tid, "trial errored (no error text captured)")
+            for tid, ot in self._ot_trials.items():
+                if tid not in self._completed_trials:
+                    try:
+                        ot.set_user_attr("interrupted", True)
+                        self._tell(tid, None, TrialState.FAIL)
+                    except Exception as e:  # already finished in storage
+                        log.debug("finalize %s: %s", tid, e)
+
+        def _tell(self, trial_id: str, value, state) -> None:
+            try:
+                self._ot_study.tell(self._ot_trials[trial_id], value, state=state)
+            except Exception as e:  # e.g. no intermediate value for a PRUNED trial
+                log.warning("optuna tell for %s failed: %s", trial_id, e)
+            self._completed_trials.add(trial_id)
+
+    return StudySearch
+
+
+def make_searcher(space: SearchSpace, study: optuna.Study, sampler, stopped: set):
+    return _searcher_class()(space=space, study=study, sampler=sampler, stopped=stopped)
+
+
+def make_scheduler(max_t: int, stopped: set, grace_period: int = 1, reduction_factor: int = 2):
+    """ASHA over training iterations (= incremental throughput reports) that records its stops."""
+    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+    class RecordingASHA(ASHAScheduler):
+        def on_trial_result(self, tune_controller, trial, result):
+            decision = super().on_trial_result(tune_controller, trial, result)
+            if decision == TrialScheduler.STOP and not result.get("complete"):
+                stopped.add(trial.trial_id)
+            return decision
+
+    return RecordingASHA(time_attr="training_iteration", metric=METRIC, mode="max", max_t=max(1, max_t),
+                         grace_period=max(1, min(grace_period, max_t)), reduction_factor=reduction_factor)
