@@ -96,7 +96,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         decoding = load_profile(a.profile).for_batch_size(a.batch_size)
     report = run_bench(prompts, a.methods.split(","), model=a.model, drafter=a.drafter, ngram=a.ngram,
                        chat=a.chat, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, dtype=a.dtype,
-                       threads=a.threads, decoding=decoding)
+                       threads=a.threads, decoding=decoding, device=a.device)
     print(format_table(report))
     if a.out:
         write_report(report, a.out)

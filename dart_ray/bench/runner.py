@@ -39,10 +39,10 @@ class MethodResult:
 def _hf_generate(hf, tok, prompt_ids: list[list[int]], max_new: int, pld: bool, eos_ids) -> list[list[int]]:
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     T = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), T), pad, dtype=torch.long)
+    ids = torch.full((len(prompt_ids), T), pad, dtype=torch.long, device=hf.device)
     att = torch.zeros_like(ids)
     for i, p in enumerate(prompt_ids):  # left padding for decoder-only batched generate
-        ids[i, T - len(p):] = torch.tensor(p)
+        ids[i, T - len(p):] = torch.tensor(p, device=hf.device)
         att[i, T - len(p):] = 1
     kw = dict(max_new_tokens=max_new, do_sample=False, attention_mask=att, pad_token_id=pad,
               eos_token_id=list(eos_ids))
@@ -64,9 +64,10 @@ def _hf_generate(hf, tok, prompt_ids: list[list[int]], max_new: int, pld: bool, 
 def run_bench(prompts: list[str], methods: list[str], *, model: str | None = None, drafter: str | None = None,
               ngram: str | None = None, chat: bool = False, max_new_tokens: int = 128, batch_size: int = 1,
               dtype: str = "bf16", threads: int | None = None, decoding: DecodingConfig | None = None,
-              warmup: int = 1, progress: bool = True) -> dict:
+              warmup: int = 1, progress: bool = True, device: str = "cpu") -> dict:
     from dart_ray.drafters import make_drafter
     from dart_ray.engine import Engine
+    from dart_ray.engine.engine import encode_prompt
     from dart_ray.models import load_target
 
     unknown = set(methods) - set(ALL_METHODS)
@@ -77,23 +78,21 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     if threads:
         torch.set_num_threads(threads)
     decoding = decoding or DecodingConfig()
-    target = load_target(model, dtype, "cpu", max_seq_len=2048)
+    target = load_target(model, dtype, device, max_seq_len=2048)
     engines = {}
     for m in methods:
         if m in OWN:
             cfg = EngineConfig(model=model, method=OWN[m], drafter=drafter, ngram=ngram, dtype=dtype,
-                               max_batch_size=batch_size, max_seq_len=2048, decoding=decoding)
+                               device=device, max_batch_size=batch_size, max_seq_len=2048, decoding=decoding)
             engines[m] = Engine(target, make_drafter(cfg, target), cfg)
     hf = None
     if any(m in HF for m in methods):
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(target.model_dir), dtype=target.model.embed.weight.dtype).eval()
-    any_engine = next(iter(engines.values()), None)
+        hf = AutoModelForCausalLM.from_pretrained(str(target.model_dir), dtype=target.model.embed.weight.dtype)
+        hf = hf.to(device).eval()
     tok = target.tokenizer
-    encode = (any_engine.encode_prompt if any_engine else
-              (lambda p, c: Engine.encode_prompt(type("E", (), {"tokenizer": tok})(), p, c)))
-    prompt_ids = [encode(p, chat) for p in prompts]
+    prompt_ids = [encode_prompt(tok, p, chat) for p in prompts]
     eos = set(target.args.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     params = SamplingParams(max_new_tokens=max_new_tokens)
     batches = [prompt_ids[i:i + batch_size] for i in range(0, len(prompt_ids), batch_size)]
@@ -125,7 +124,7 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
             res[m].outputs.extend(outs)
     report = {"config": {"n_prompts": len(prompts), "methods": methods, "chat": chat, "batch_size": batch_size,
                          "max_new_tokens": max_new_tokens, "dtype": dtype, "threads": torch.get_num_threads(),
-                         "model": model or "default", "drafter": drafter, "decoding": decoding.to_dict()},
+                         "model": model or "default", "drafter": drafter, "device": device, "decoding": decoding.to_dict()},
               "methods": {}}
     ar_out = res["ar"].outputs if "ar" in res else None
     for m in methods:

@@ -40,6 +40,21 @@ class PromptTooLongError(ValueError):
     """The prompt does not fit the context."""
 
 
+def encode_prompt(tokenizer, prompt: PromptLike, chat: bool = False) -> list[int]:
+    """Text (optionally through the chat template), chat messages, or token ids -> ids."""
+    if isinstance(prompt, str):
+        if chat:
+            return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    raise TypeError("prompt must be a non-empty string, a list of chat messages, or a list of token ids")
+
+
 class Engine:
     def __init__(self, target: LoadedTarget, drafter: Drafter, config: EngineConfig) -> None:
         self.target = target
@@ -101,18 +116,7 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptLike, chat: bool = False) -> list[int]:
         """Text (optionally through the chat template), chat messages, or token ids -> ids."""
-        if isinstance(prompt, str):
-            if chat:
-                return list(self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                    return_dict=False))
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def check_prompt(self, ids: Sequence[int]) -> None:
         if len(ids) == 0:
