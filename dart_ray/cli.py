@@ -141,6 +141,7 @@ DELEGATED = {
     "tune": ("tuning.cli", "tune_cli"),
     "train-drafter": ("dart_ray.training.cli", "train_cli"),
     "gen-data": ("dart_ray.training.cli", "gen_data_cli"),
+    "ship": ("dart_ray.training.ship", "ship_cli"),
 }
 
 

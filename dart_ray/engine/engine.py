@@ -196,9 +196,8 @@ class Engine:
             self.tokens[r0 + i, :lens[i]] = r.prompt_ids
         tokens = tokens.to(dev)
         positions = torch.arange(T, device=dev).expand(n, T)
-        mask = None if n == 1 else attention_mask([0] * n, causal_ancestors(T, dev), T, self.dtype)
-        if mask is None and T > 1:
-            mask = attention_mask([0], causal_ancestors(T, dev), T, self.dtype)
+        # right-padded prompts from slot 0: plain causal (pad keys sit after every real query)
+        mask = attention_mask([0] * n, causal_ancestors(T, dev), T, self.dtype) if T > 1 else None
         last = torch.tensor(lens, device=dev).sub(1).view(n, 1)              # [n, 1]
         out = self.model(tokens, positions, mask, self.cache, rows=rows, starts=[0] * n,
                          taps=self.drafter.taps, logits_at=last)

@@ -1,0 +1,116 @@
+"""``dart-ray batch``: offline generation over a parquet/JSONL file with a pool of engine actors.
+
+    dart-ray batch --input prompts.parquet --output out/ --concurrency 2 --batch-size 32
+    python -m batch.cli --input prompts.jsonl --output out/ --method none --max-new-tokens 64
+
+Rerunning with the same ``--output`` after a crash or kill resumes: only ids not yet committed
+are generated, and the output ends up with every input id exactly once. Exit status: 0 when the
+output is complete (error rows count as complete), 1 when ids are missing or duplicated,
+2 on bad arguments or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from dart_ray import EngineConfig, SamplingParams
+from dart_ray.config import DTYPES, METHODS
+
+from batch.job import BatchJobConfig, DuplicateIdError, run_batch_job
+from batch.store import CorruptPartError, OutputBusyError
+
+
+def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``dart-ray batch`` (usable as a subparser of the main CLI)."""
+    io = p.add_argument_group("input/output")
+    io.add_argument("--input", required=True, help=".parquet, .jsonl/.json (JSON Lines), or a directory")
+    io.add_argument("--output", required=True, help="output directory (rerun with it to resume)")
+    io.add_argument("--prompt-column", default="prompt")
+    io.add_argument("--id-column", default="id",
+                    help="unique row id; if the input lacks it, ids are row numbers in file order")
+    io.add_argument("--force", action="store_true",
+                    help="resume into an output written with other generation settings")
+    g = p.add_argument_group("generation")
+    g.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="row seed = seed + hash(id)")
+    g.add_argument("--ignore-eos", action="store_true")
+    e = p.add_argument_group("engine")
+    e.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded SmolLM2)")
+    e.add_argument("--method", choices=METHODS, default="dart")
+    e.add_argument("--drafter", default=None)
+    e.add_argument("--dtype", choices=DTYPES, default="bf16")
+    e.add_argument("--max-batch-size", type=int, default=8, help="rows an engine decodes together")
+    e.add_argument("--max-seq-len", type=int, default=2048)
+    e.add_argument("--profile", default=None, help="decoding profile: a JSON/YAML file or a name")
+    r = p.add_argument_group("ray")
+    r.add_argument("--concurrency", type=int, default=1, help="engine actors")
+    r.add_argument("--batch-size", type=int, default=32, help="rows per actor call and per part")
+    r.add_argument("--num-cpus-per-actor", type=float, default=None,
+                   help="default: (cluster CPUs - 1) / concurrency")
+    r.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
+    r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray instance")
+    r.add_argument("--ray-temp-dir", default=None)
+    r.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> BatchJobConfig:
+    engine = EngineConfig(model=a.model, method=a.method, drafter=a.drafter, dtype=a.dtype,
+                          max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len)
+    sampling = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                              top_k=a.top_k, ignore_eos=a.ignore_eos)
+    return BatchJobConfig(input=a.input, output=a.output, prompt_column=a.prompt_column,
+                          id_column=a.id_column, chat=a.chat, engine=engine, sampling=sampling,
+                          seed=a.seed, profile=a.profile, concurrency=a.concurrency,
+                          batch_size=a.batch_size, num_cpus_per_actor=a.num_cpus_per_actor,
+                          force=a.force, progress=not a.no_progress)
+
+
+def ray_init_kwargs(a: argparse.Namespace) -> dict:
+    kw: dict = {"include_dashboard": False}
+    if a.address:
+        kw["address"] = a.address
+    else:
+        if a.num_cpus is not None:
+            kw["num_cpus"] = a.num_cpus
+        if a.ray_temp_dir:
+            kw["_temp_dir"] = os.path.abspath(a.ray_temp_dir)
+    return kw
+
+
+def batch_cli(argv: list[str] | None = None) -> int:
+    parser = add_batch_args(argparse.ArgumentParser(prog="dart-ray batch", description=__doc__.split("\n")[0]))
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(a)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        summary = run_batch_job(cfg, ray_init=ray_init_kwargs(a))
+    except (ValueError, KeyError, FileNotFoundError, DuplicateIdError, OutputBusyError, CorruptPartError) as e:
+        print(f"dart-ray batch: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        _shutdown_ray()
+    print(summary.format())
+    return 0 if summary.ok else 1
+
+
+def _shutdown_ray() -> None:
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(batch_cli())

@@ -1,0 +1,362 @@
+"""The batch job: prompts in parquet/JSONL -> a pool of engine actors -> committed parquet parts.
+
+Pipeline (Ray Data, streaming)::
+
+    read_parquet / read_json(lines)      input files (or, without an id column, numbered on the driver)
+      -> _prepare                        keep id + prompt, normalise the id type, drop ids already done
+      -> repartition(batch_size rows)    so every actor of the pool gets work
+      -> map_batches(_PartWriter)        actor pool: DartGenerator, then one atomic part per batch
+      -> iter_batches                    the driver sums per-batch totals (progress bar, summary)
+
+Rows are written by the actors, not by ``write_parquet``: Ray's file writes are not atomic, so a
+killed job could leave a truncated committed file. Each batch becomes one part committed with a
+rename (see :mod:`batch.store`), so the output directory only ever holds complete rows.
+
+Exactly once, across kills and reruns:
+
+1. Input ids must be unique and non-null (checked up front; a duplicate is an error, not silently
+   dropped, since the rows may differ). Without an id column, ids are 0-based row numbers over the
+   input files in sorted path order (the driver reads the input to number it).
+2. The driver locks the output directory, waits until no worker of an earlier run is alive, deletes
+   half-written temp files, and reads the ids in the committed parts.
+3. Only the remaining ids are processed; each batch is committed atomically under a name derived
+   from its ids, so a retried batch replaces its own part.
+4. At the end the committed ids are checked against the input: every id exactly once, or the job
+   reports what is missing/duplicated and fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from dart_ray import EngineConfig, SamplingParams
+
+from batch.generator import OUTPUT_SCHEMA, BatchStats, DartGenerator
+from batch.profiles import read_profile
+from batch.store import OutputStore, id_report
+
+log = logging.getLogger(__name__)
+
+ROW_NUMBER = "row_number"
+"""Manifest value of ``ids`` when the input has no id column."""
+
+READ_CPUS = 0.25
+"""CPUs declared by the read/prepare tasks (Ray's file listing still takes one whole CPU)."""
+
+
+class DuplicateIdError(ValueError):
+    """The input holds an id more than once (or a null id)."""
+
+
+@dataclass
+class BatchJobConfig:
+    """One batch job (what ``dart-ray batch`` builds from its flags)."""
+
+    input: str
+    """A .parquet file, a .jsonl/.json (JSON Lines) file, or a directory of either."""
+    output: str
+    """Output directory of committed parts; rerunning with the same one resumes."""
+    prompt_column: str = "prompt"
+    id_column: str = "id"
+    """Unique row id. Absent from the input: ids are row numbers (see the module docstring)."""
+    chat: bool = False
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = 0
+    """Base of per-row sampling seeds (seed + hash(id)); None = unseeded."""
+    profile: str | None = None
+    """Decoding profile file or name (see :mod:`batch.profiles`)."""
+    concurrency: int = 1
+    """Engine actors (each loads the weights once)."""
+    batch_size: int = 32
+    """Rows per actor call, and so per committed part (the work lost to a kill is < one batch per
+    actor). The engine decodes up to ``engine.max_batch_size`` of them at a time."""
+    num_cpus_per_actor: float | None = None
+    """CPUs each actor declares; None = (cluster CPUs - 1) / concurrency, one CPU left for reads.
+    The engine uses max(1, floor(this)) threads unless ``engine.num_threads`` is set."""
+    stale_worker_timeout_s: float = 120.0
+    force: bool = False
+    """Resume into a directory written with other generation settings."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.num_cpus_per_actor is not None and self.num_cpus_per_actor <= 0:
+            raise ValueError(f"num_cpus_per_actor must be > 0, got {self.num_cpus_per_actor}")
+
+    def manifest(self, ids: str) -> dict:
+        """Settings that determine the outputs (a resumed run must match them)."""
+        e, s = self.engine, self.sampling
+        return {"model": e.model, "method": e.method, "drafter": e.drafter, "ngram": e.ngram,
+                "dtype": e.dtype, "max_seq_len": e.max_seq_len, "chat": self.chat,
+                "prompt_column": self.prompt_column, "id_column": self.id_column, "ids": ids,
+                "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                "top_k": s.top_k, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
+                "ignore_eos": s.ignore_eos, "seed": self.seed}
+
+
+@dataclass
+class JobSummary:
+    input_rows: int
+    already_done: int
+    rows: int = 0
+    """Rows processed by this run."""
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    steps: int = 0
+    accepted_tokens: int = 0
+    wall_s: float = 0.0
+    """Seconds from the pipeline's start (actors loading included) to its end."""
+    output: dict = field(default_factory=dict)
+    """id_report of the output directory after the run."""
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def ok(self) -> bool:
+        o = self.output
+        return o.get("missing") == 0 and o.get("duplicated") == 0
+
+    def add(self, st: dict) -> None:
+        for k in ("rows", "errors", "prompt_tokens", "completion_tokens", "steps", "accepted_tokens"):
+            setattr(self, k, getattr(self, k) + int(st[k]))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(rows_per_s=self.rows_per_s, tokens_per_s=self.tokens_per_s,
+                 mean_accepted_len=self.mean_accepted_len, ok=self.ok)
+        return d
+
+    def format(self) -> str:
+        o = self.output
+        lines = [
+            f"dart-ray batch: {self.input_rows} input rows, {self.already_done} already done, "
+            f"{self.rows} processed this run ({self.errors} errors) in {self.wall_s:.1f} s",
+            f"  {self.rows_per_s:.2f} rows/s, {self.tokens_per_s:.1f} tokens/s "
+            f"({self.completion_tokens} completion tokens), mean accepted length "
+            f"{self.mean_accepted_len:.2f}",
+        ]
+        if self.ok:
+            lines.append(f"  output: {o['expected']} ids, each exactly once")
+        else:
+            lines.append(f"  output INCOMPLETE: {o.get('missing')} missing, {o.get('duplicated')} "
+                         f"duplicated of {o.get('expected')} ids")
+        if o.get("unexpected"):
+            lines.append(f"  warning: {o['unexpected']} ids in the output are not in the input")
+        return "\n".join(lines)
+
+
+# ---- input --------------------------------------------------------------------------------------
+def resolve_input(path: str) -> tuple[list[str], str]:
+    """Input files (sorted) and their format, ``parquet`` or ``json`` (JSON Lines)."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(
+            part.startswith((".", "_")) for part in f.relative_to(p).parts))
+        parquet = [str(f) for f in files if f.suffix == ".parquet"]
+        jsonl = [str(f) for f in files if f.suffix in (".jsonl", ".json")]
+        if parquet and jsonl:
+            raise ValueError(f"{path} mixes parquet and JSON files")
+        if not parquet and not jsonl:
+            raise FileNotFoundError(f"no .parquet, .jsonl or .json files under {path}")
+        return (parquet, "parquet") if parquet else (jsonl, "json")
+    if p.is_file():
+        if p.suffix == ".parquet":
+            return [str(p)], "parquet"
+        if p.suffix in (".jsonl", ".json"):
+            return [str(p)], "json"
+        raise ValueError(f"{path}: expected a .parquet, .jsonl or .json file")
+    raise FileNotFoundError(path)
+
+
+def _read_local(files: list[str], fmt: str, columns: list[str] | None) -> pa.Table:
+    """Read ``columns`` of the input on the driver (ids, or the whole input to number its rows)."""
+    tables = []
+    for f in files:
+        if fmt == "parquet":
+            tables.append(pq.read_table(f, columns=columns))
+        else:
+            t = pajson.read_json(f)
+            missing = [c for c in columns or [] if c not in t.column_names]
+            if missing:
+                raise KeyError(missing[0])
+            tables.append(t.select(columns) if columns else t)
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def _column_presence(files: list[str], fmt: str, column: str) -> bool:
+    """Whether every input file has ``column`` (error if only some do)."""
+    if fmt == "parquet":
+        present = [column in pq.read_schema(f).names for f in files]
+    else:
+        present = [column in pajson.read_json(f).column_names for f in files]
+    if any(present) and not all(present):
+        raise ValueError(f"column {column!r} is in some input files but not in others")
+    return all(present)
+
+
+def check_unique_ids(ids: pa.Array) -> None:
+    nulls = ids.null_count
+    if nulls:
+        raise DuplicateIdError(f"{nulls} input rows have a null id")
+    counts = pc.value_counts(ids)
+    dup = pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))
+    if len(dup):
+        raise DuplicateIdError(
+            f"{len(dup)} ids occur more than once in the input (e.g. {dup.to_pylist()[:5]}); "
+            f"make the id column unique")
+
+
+# ---- Ray Data stages ------------------------------------------------------------------------------
+def _prepare(table: pa.Table, id_column: str, prompt_column: str, id_type: pa.DataType,
+             done: pa.Array | None) -> pa.Table:
+    """Keep id and prompt, give the id the input-wide type, drop ids already committed."""
+    table = table.select([id_column, prompt_column])
+    ids = table.column(id_column).cast(id_type)
+    table = table.set_column(0, id_column, ids)
+    if done is not None and len(done):
+        table = table.filter(pc.invert(pc.is_in(ids, value_set=done)))
+    return table
+
+
+class _PartWriter:
+    """Actor of the job's pool: generates a batch and commits it as one part of the output."""
+
+    def __init__(self, output: str, id_column: str, prompt_column: str, id_type: pa.DataType,
+                 generator_kwargs: dict) -> None:
+        self.store = OutputStore(output)
+        # Before anything can be written: a later run waits for this lock to be released.
+        self._lock_fd = self.store.hold_worker_lock()
+        self.id_column = id_column
+        self.prompt_column = prompt_column
+        self.schema = pa.schema([(id_column, id_type), (prompt_column, pa.string()), *OUTPUT_SCHEMA])
+        self.generator = DartGenerator(id_column=id_column, prompt_column=prompt_column, **generator_kwargs)
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        st = BatchStats()
+        if table.num_rows:
+            out, st = self.generator.process(table)
+            prompts = [p if p is None or isinstance(p, str) else str(p)
+                       for p in table.column(self.prompt_column).to_pylist()]
+            part = pa.Table.from_arrays(
+                [table.column(self.id_column).cast(self.schema.field(0).type), pa.array(prompts, pa.string()),
+                 *out.columns], schema=self.schema)
+            self.store.write_part(part, self.id_column)
+        return pa.Table.from_pylist([dataclasses.asdict(st)])
+
+
+# ---- the job --------------------------------------------------------------------------------------
+def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSummary:
+    """Run (or resume) the job; returns its summary. Starts Ray with ``ray_init`` if needed."""
+    files, fmt = resolve_input(cfg.input)
+    store = OutputStore(cfg.output)
+    profile = read_profile(cfg.profile) if cfg.profile else None
+    with store.driver_session(cfg.stale_worker_timeout_s):
+        if not _column_presence(files, fmt, cfg.prompt_column):
+            raise ValueError(f"input has no prompt column {cfg.prompt_column!r}")
+        has_ids = _column_presence(files, fmt, cfg.id_column)
+        if has_ids:
+            numbered = None
+            ids = _read_local(files, fmt, [cfg.id_column]).column(0).combine_chunks()
+        else:
+            log.warning("input has no %r column: ids are row numbers over %d file(s) in path order",
+                        cfg.id_column, len(files))
+            numbered = _read_local(files, fmt, [cfg.prompt_column])
+            numbered = numbered.append_column(cfg.id_column, pa.array(range(numbered.num_rows), pa.int64()))
+            ids = numbered.column(cfg.id_column).combine_chunks()
+        check_unique_ids(ids)
+        store.check_manifest(cfg.manifest("column" if has_ids else ROW_NUMBER), force=cfg.force)
+        stale = store.clear_tmp()
+        if stale:
+            log.info("deleted %d half-written part(s) of an earlier run", stale)
+        committed = store.committed_ids(cfg.id_column)
+        before = id_report(ids, committed)
+        done = None
+        if committed is not None:
+            done = pc.unique(committed.combine_chunks().cast(ids.type))
+        n_done = before["expected"] - before["missing"]
+        summary = JobSummary(input_rows=len(ids), already_done=n_done)
+        remaining = len(ids) - n_done
+        if remaining:
+            summary = _run_pipeline(cfg, store, files, fmt, numbered, ids.type, done, remaining,
+                                    profile, summary, ray_init)
+        summary.output = id_report(ids, store.committed_ids(cfg.id_column))
+        (store.meta / "last_run.json").write_text(json.dumps(summary.to_dict(), indent=2))
+        return summary
+
+
+def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, files: list[str], fmt: str,
+                  numbered: pa.Table | None, id_type: pa.DataType, done: pa.Array | None,
+                  remaining: int, profile: dict | None, summary: JobSummary,
+                  ray_init: dict | None) -> JobSummary:
+    import ray
+    import ray.data
+    from tqdm.auto import tqdm
+
+    if not ray.is_initialized():
+        ray.init(**(ray_init or {}))
+    ray.data.DataContext.get_current().enable_progress_bars = False  # ours is the one bar
+    cpus = cfg.num_cpus_per_actor
+    if cpus is None:
+        cpus = max(0.25, (ray.cluster_resources().get("CPU", 1.0) - 1.0) / cfg.concurrency)
+    engine = cfg.engine
+    if engine.num_threads is None:
+        engine = engine.replace(num_threads=max(1, math.floor(cpus)))
+    gen_kwargs = dict(engine_config=engine, chat=cfg.chat, sampling=cfg.sampling, seed=cfg.seed,
+                      profile=profile)
+
+    cols = [cfg.id_column, cfg.prompt_column]
+    if numbered is not None:
+        step = cfg.batch_size
+        ds = ray.data.from_arrow([numbered.slice(i, step) for i in range(0, numbered.num_rows, step)])
+    elif fmt == "parquet":
+        ds = ray.data.read_parquet(files, columns=cols, num_cpus=READ_CPUS)
+    else:
+        ds = ray.data.read_json(files, lines=True, num_cpus=READ_CPUS)
+    ds = ds.map_batches(_prepare, batch_format="pyarrow", batch_size=None, num_cpus=READ_CPUS,
+                        fn_kwargs=dict(id_column=cfg.id_column, prompt_column=cfg.prompt_column,
+                                       id_type=id_type, done=done))
+    ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
+    ds = ds.map_batches(
+        _PartWriter, batch_format="pyarrow", batch_size=cfg.batch_size,
+        compute=ray.data.ActorPoolStrategy(size=cfg.concurrency), num_cpus=cpus,
+        fn_constructor_kwargs=dict(output=str(store.root), id_column=cfg.id_column,
+                                   prompt_column=cfg.prompt_column, id_type=id_type,
+                                   generator_kwargs=gen_kwargs))
+
+    t0 = time.perf_counter()
+    with tqdm(total=remaining, unit="row", desc="dart-ray batch", disable=not cfg.progress) as bar:
+        for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            for st in b.to_pylist():
+                summary.add(st)
+                bar.update(st["rows"])
+            dt = time.perf_counter() - t0
+            bar.set_postfix(errors=summary.errors, tok_s=f"{summary.completion_tokens / dt:.1f}",
+                            tau=f"{summary.mean_accepted_len:.2f}", refresh=False)
+    summary.wall_s = time.perf_counter() - t0
+    return summary

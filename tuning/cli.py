@@ -1,0 +1,96 @@
+"""``dart-ray tune``: tune decoding knobs per batch size on a workload and write a profile.
+
+    dart-ray tune --prompts FILE --workload NAME [--batch-sizes 1,4,16] [--trials N]
+                  [--time-budget S] [--storage URL] --out PROFILE.yaml
+
+Resumable: rerun the same command (same --storage) after an interruption; see ``tuning.study``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dart-ray tune",
+        description="Tune DART decoding knobs for throughput per batch size (Ray Tune + Optuna + ASHA) "
+                    "and write a decoding profile. Resumes from --storage.")
+    p.add_argument("--prompts", required=True, help=".jsonl/.parquet with a 'prompt' column, or humaneval|chat")
+    p.add_argument("--workload", required=True, help="workload name (profile name and study prefix)")
+    p.add_argument("--out", required=True, help="profile YAML to write (plots go next to it)")
+    p.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes to tune (default 1,4,16)")
+    p.add_argument("--trials", type=int, default=30, help="target finished trials per batch size (default 30)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="wall-clock budget in seconds for the whole run (tuning + evaluation)")
+    p.add_argument("--storage", default=None,
+                   help="Optuna RDB URL (default sqlite:///<out dir>/tune.db); any SQLAlchemy URL")
+    p.add_argument("--results-dir", default=None, help="Ray Tune storage path (default <out dir>/tune_results)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--model", default=None, help="HF model dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    e.add_argument("--method", default="dart", choices=["dart", "ngram"])
+    e.add_argument("--drafter", default=None, help="DART drafter dir ('random' = untrained; default: shipped)")
+    e.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables; default: shipped)")
+    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--max-seq-len", type=int, default=2048)
+    w = p.add_argument_group("measurement")
+    w.add_argument("--max-new-tokens", type=int, default=64)
+    w.add_argument("--chat", action="store_true", help="apply the chat template to prompts")
+    w.add_argument("--num-prompts", type=int, default=64, help="prompts sampled from the file (default 64)")
+    w.add_argument("--eval-fraction", type=float, default=0.25, help="share held out for evaluation (default 0.25)")
+    w.add_argument("--prompts-per-trial", type=int, default=None,
+                   help="prompts measured per trial (default max(8, 2 x batch size))")
+    w.add_argument("--reports-per-trial", type=int, default=4, help="incremental reports per trial (ASHA rungs)")
+    w.add_argument("--check-prompts", type=int, default=2, help="prompts checked against AR per trial")
+    w.add_argument("--check-dtype", default="fp32",
+                   help="dtype of the exactness check ('same' = the measuring engine's dtype)")
+    w.add_argument("--eval-repeats", type=int, default=3, help="held-out runs per config (median)")
+    r = p.add_argument_group("resources")
+    r.add_argument("--cpus-per-trial", type=float, default=None, help="default: all CPUs of the Ray cluster")
+    r.add_argument("--gpus-per-trial", type=float, default=None, help="default: 1 if --device cuda*, else 0")
+    r.add_argument("--max-concurrent-trials", type=int, default=1)
+    r.add_argument("--ray-address", default=None, help="join a running Ray cluster (default: start one)")
+    r.add_argument("--ray-temp-dir", default=None, help="Ray session dir when starting Ray")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def settings_from_args(a: argparse.Namespace):
+    from dart_ray.config import parse_int_list
+    from tuning.runner import TuneSettings
+
+    return TuneSettings(
+        prompts=a.prompts, workload=a.workload, out=a.out, batch_sizes=parse_int_list(a.batch_sizes),
+        trials=a.trials, time_budget_s=a.time_budget, storage=a.storage, results_dir=a.results_dir,
+        model=a.model, method=a.method, drafter=a.drafter, ngram=a.ngram, dtype=a.dtype, device=a.device,
+        max_seq_len=a.max_seq_len, max_new_tokens=a.max_new_tokens, chat=a.chat, num_prompts=a.num_prompts,
+        eval_fraction=a.eval_fraction, prompts_per_trial=a.prompts_per_trial,
+        reports_per_trial=a.reports_per_trial, check_prompts=a.check_prompts,
+        check_dtype=None if a.check_dtype == "same" else a.check_dtype, cpus_per_trial=a.cpus_per_trial,
+        gpus_per_trial=a.gpus_per_trial, max_concurrent_trials=a.max_concurrent_trials,
+        eval_repeats=a.eval_repeats, seed=a.seed, plots=not a.no_plots, ray_address=a.ray_address,
+        ray_temp_dir=a.ray_temp_dir)
+
+
+def tune_cli(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    from tuning.runner import run_tune
+    from tuning.study import StudyMismatchError
+
+    try:
+        s = settings_from_args(a)
+        run_tune(s, log=lambda m: print(m, flush=True))
+    except (StudyMismatchError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume from the storage", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(tune_cli())
