@@ -11,6 +11,13 @@ from batch.job import BatchJobConfig, DuplicateIdError, JobSummary, run_batch_jo
 from batch.store import OutputStore
 
 __all__ = [
-    "DartGenerator", "OUTPUT_COLUMNS", "engine_config_from_dict", "row_seed", "BatchJobConfig",
-    "DuplicateIdError", "JobSummary", "run_batch_job", "OutputStore",
+    "OUTPUT_COLUMNS",
+    "BatchJobConfig",
+    "DartGenerator",
+    "DuplicateIdError",
+    "JobSummary",
+    "OutputStore",
+    "engine_config_from_dict",
+    "row_seed",
+    "run_batch_job",
 ]

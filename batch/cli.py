@@ -16,17 +16,18 @@ import logging
 import os
 import sys
 
-from dart_ray import EngineConfig, SamplingParams
-from dart_ray.config import DTYPES, METHODS
-
-from batch.job import BatchJobConfig, DuplicateIdError, run_batch_job
+from batch.job import BatchJobConfig, run_batch_job
 from batch.store import CorruptPartError, OutputBusyError
+from dart_ray import SamplingParams
+from dart_ray.cli import engine_config_from_args
+from dart_ray.config import DTYPES
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of ``dart-ray batch`` (usable as a subparser of the main CLI)."""
     io = p.add_argument_group("input/output")
-    io.add_argument("--input", required=True, help=".parquet, .jsonl/.json (JSON Lines), or a directory")
+    io.add_argument("--input", required=True,
+                    help=".parquet, .jsonl/.json (JSON Lines), or a directory of them")
     io.add_argument("--output", required=True, help="output directory (rerun with it to resume)")
     io.add_argument("--prompt-column", default="prompt")
     io.add_argument("--id-column", default="id",
@@ -41,14 +42,20 @@ def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0, help="row seed = seed + hash(id)")
     g.add_argument("--ignore-eos", action="store_true")
-    e = p.add_argument_group("engine")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    e = p.add_argument_group("engine (as in `dart-ray generate`)")
     e.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded SmolLM2)")
-    e.add_argument("--method", choices=METHODS, default="dart")
-    e.add_argument("--drafter", default=None)
+    e.add_argument("--method", default="auto", choices=["auto", "dart", "ngram", "none", "ar"],
+                   help="auto = dart if a trained drafter is shipped for the model, else ngram")
+    e.add_argument("--drafter", default=None, help="DART drafter dir ('random' = untrained)")
+    e.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables)")
     e.add_argument("--dtype", choices=DTYPES, default="bf16")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--threads", type=int, default=None,
+                   help="torch threads per actor (default: floor of --num-cpus-per-actor)")
     e.add_argument("--max-batch-size", type=int, default=8, help="rows an engine decodes together")
     e.add_argument("--max-seq-len", type=int, default=2048)
-    e.add_argument("--profile", default=None, help="decoding profile: a JSON/YAML file or a name")
+    e.add_argument("--profile", default=None, help="decoding profile (name or YAML path)")
     r = p.add_argument_group("ray")
     r.add_argument("--concurrency", type=int, default=1, help="engine actors")
     r.add_argument("--batch-size", type=int, default=32, help="rows per actor call and per part")
@@ -62,10 +69,10 @@ def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def config_from_args(a: argparse.Namespace) -> BatchJobConfig:
-    engine = EngineConfig(model=a.model, method=a.method, drafter=a.drafter, dtype=a.dtype,
-                          max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len)
-    sampling = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                              top_k=a.top_k, ignore_eos=a.ignore_eos)
+    engine = engine_config_from_args(a, max_batch_size=a.max_batch_size)
+    sampling = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                              top_p=a.top_p, top_k=a.top_k, ignore_eos=a.ignore_eos,
+                              stop=tuple(a.stop or ()))
     return BatchJobConfig(input=a.input, output=a.output, prompt_column=a.prompt_column,
                           id_column=a.id_column, chat=a.chat, engine=engine, sampling=sampling,
                           seed=a.seed, profile=a.profile, concurrency=a.concurrency,
@@ -86,7 +93,8 @@ def ray_init_kwargs(a: argparse.Namespace) -> dict:
 
 
 def batch_cli(argv: list[str] | None = None) -> int:
-    parser = add_batch_args(argparse.ArgumentParser(prog="dart-ray batch", description=__doc__.split("\n")[0]))
+    parser = argparse.ArgumentParser(prog="dart-ray batch", description=__doc__.split("\n")[0])
+    add_batch_args(parser)
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -95,7 +103,7 @@ def batch_cli(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     try:
         summary = run_batch_job(cfg, ray_init=ray_init_kwargs(a))
-    except (ValueError, KeyError, FileNotFoundError, DuplicateIdError, OutputBusyError, CorruptPartError) as e:
+    except (ValueError, KeyError, FileNotFoundError, OutputBusyError, CorruptPartError) as e:
         print(f"dart-ray batch: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -31,15 +31,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import pyarrow as pa
 
-from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
-
-from batch.profiles import profile_from_dict
+from dart_ray import (
+    DecodingConfig,
+    DecodingSchedule,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    load_profile,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,42 +109,49 @@ class DartGenerator:
             the keyword arguments below override its fields.
         max_new_tokens, temperature, top_p, top_k: shortcuts for the matching SamplingParams fields.
         seed: base seed of per-row sampling seeds; ``None`` = unseeded sampling.
-        profile: decoding profile dict (see :mod:`batch.profiles`) applied with ``set_decoding``.
+        profile: decoding profile applied with ``Engine.set_decoding``: a profile name or YAML path
+            (:func:`dart_ray.load_profile`, resolved on the worker), a
+            :class:`~dart_ray.DecodingSchedule` or its ``to_dict()``, or one DecodingConfig.
     """
 
-    def __init__(self, engine_config: dict | EngineConfig | None = None, *, prompt_column: str = "prompt",
-                 id_column: str | None = "id", chat: bool = False,
+    def __init__(self, engine_config: dict | EngineConfig | None = None, *,
+                 prompt_column: str = "prompt", id_column: str | None = "id", chat: bool = False,
                  sampling: SamplingParams | dict | None = None, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 seed: int | None = 0, profile: dict | None = None) -> None:
+                 seed: int | None = 0,
+                 profile: str | dict | DecodingSchedule | DecodingConfig | None = None) -> None:
         self.engine_config = engine_config_from_dict(engine_config or {})
         self.prompt_column = prompt_column
         self.id_column = id_column
         self.chat = chat
         if isinstance(sampling, dict):
             sampling = SamplingParams(**sampling)
-        overrides = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature,
-                                           top_p=top_p, top_k=top_k).items() if v is not None}
+        given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                 "top_k": top_k}
+        overrides = {k: v for k, v in given.items() if v is not None}
         self.sampling = dataclasses.replace(sampling or SamplingParams(), **overrides)
         self.seed = seed
-        self.profile = profile
+        self.profile = _schedule(profile)
         self.engine = self._build_engine()
 
     def _build_engine(self) -> Engine:
         engine = Engine.from_config(self.engine_config)
-        if self.profile:
-            engine.set_decoding(profile_from_dict(self.profile))
+        if self.profile is not None:
+            engine.set_decoding(self.profile)
         return engine
 
     # ---- Ray Data entry point ------------------------------------------------------------------
     def __call__(self, batch):
         """Add :data:`OUTPUT_COLUMNS` to a pyarrow Table, pandas DataFrame or dict of arrays."""
-        table = _to_table(batch, self.prompt_column, self.id_column)
-        out, _ = self.process(table)
         if isinstance(batch, pa.Table):
+            out, _ = self.process(batch)
             for name in OUTPUT_COLUMNS:
                 batch = _set_column(batch, name, out.column(name))
             return batch
+        columns = list(batch.columns) if _is_pandas(batch) else list(batch)
+        prompts = _py_values(batch[self.prompt_column]) if self.prompt_column in columns else None
+        keys = _py_values(batch[self.id_column]) if self.id_column in columns else None
+        out, _ = self.generate_rows(prompts, keys)
         if _is_pandas(batch):
             batch = batch.copy()
             for name in OUTPUT_COLUMNS:
@@ -153,13 +166,18 @@ class DartGenerator:
     def process(self, table: pa.Table) -> tuple[pa.Table, BatchStats]:
         """Outputs of every row of ``table``: a table of :data:`OUTPUT_COLUMNS` (same row order)
         and the batch's totals."""
-        n = table.num_rows
-        if self.prompt_column not in table.column_names:
-            raise KeyError(f"batch has no prompt column {self.prompt_column!r} "
-                           f"(columns: {table.column_names})")
-        prompts = table.column(self.prompt_column).to_pylist()
-        has_ids = self.id_column is not None and self.id_column in table.column_names
-        keys = table.column(self.id_column).to_pylist() if has_ids else prompts
+        names = table.column_names
+        prompts = table.column(self.prompt_column).to_pylist() if self.prompt_column in names else None
+        keys = table.column(self.id_column).to_pylist() if self.id_column in names else None
+        return self.generate_rows(prompts, keys)
+
+    def generate_rows(self, prompts: list | None,
+                      keys: list | None = None) -> tuple[pa.Table, BatchStats]:
+        """Outputs for ``prompts`` (row ``i`` seeded by ``keys[i]``, or by its prompt when no keys)."""
+        if prompts is None:
+            raise KeyError(f"batch has no prompt column {self.prompt_column!r}")
+        n = len(prompts)
+        keys = prompts if keys is None else keys
         rows: list[dict] = [{} for _ in range(n)]
         todo: list[int] = []
         ids: list[list[int]] = []
@@ -180,7 +198,8 @@ class DartGenerator:
                 continue
             rows[i].update(generated_text=c.text, num_prompt_tokens=c.num_prompt_tokens,
                            num_completion_tokens=len(c.token_ids), finish_reason=c.finish_reason,
-                           mean_accepted_len=float(c.stats.mean_accepted_len), latency_s=float(c.latency_s))
+                           mean_accepted_len=float(c.stats.mean_accepted_len),
+                           latency_s=float(c.latency_s))
             stats.prompt_tokens += c.num_prompt_tokens
             stats.completion_tokens += len(c.token_ids)
             stats.steps += c.stats.steps
@@ -214,18 +233,26 @@ class DartGenerator:
             return []
         try:
             return self.engine.generate(ids, params)
-        except Exception:  # noqa: BLE001 - isolate the failing row(s) below
+        except Exception:
             log.exception("engine failed on a batch of %d rows; retrying row by row", len(ids))
         self.engine = self._build_engine()
         out: list = []
         for toks, p in zip(ids, params):
             try:
                 out.append(self.engine.generate([toks], [p])[0])
-            except Exception as e:  # noqa: BLE001 - becomes this row's error
+            except Exception as e:
                 log.exception("engine failed on one row")
                 out.append(e)
                 self.engine = self._build_engine()
         return out
+
+
+def _schedule(profile) -> DecodingSchedule | DecodingConfig | None:
+    if profile is None or isinstance(profile, (DecodingSchedule, DecodingConfig)):
+        return profile
+    if isinstance(profile, dict):
+        return DecodingSchedule.from_dict(profile)
+    return load_profile(profile)
 
 
 # ---- batch formats ------------------------------------------------------------------------------
@@ -233,18 +260,15 @@ def _is_pandas(batch) -> bool:
     return type(batch).__name__ == "DataFrame" and hasattr(batch, "iloc")
 
 
-def _to_table(batch, prompt_column: str, id_column: str | None) -> pa.Table:
-    """The columns DartGenerator reads, as a pyarrow Table."""
-    if isinstance(batch, pa.Table):
-        return batch
-    names = [c for c in (prompt_column, id_column) if c is not None and c in batch]
-    return pa.table({c: pa.array(_py_values(batch[c]), from_pandas=True) for c in names})
+def _py_values(col) -> list:
+    """Column values as Python objects, pandas/numpy missing values (NaN, NA, NaT) as None."""
+    return [None if _is_missing(v) else v for v in (col.tolist() if hasattr(col, "tolist") else col)]
 
 
-def _py_values(col) -> Sequence:
-    if hasattr(col, "tolist"):
-        return col.tolist()
-    return list(col)
+def _is_missing(v) -> bool:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return True
+    return type(v).__name__ in ("NAType", "NaTType")
 
 
 def _set_column(table: pa.Table, name: str, values: pa.ChunkedArray) -> pa.Table:

@@ -40,11 +40,9 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from dart_ray import EngineConfig, SamplingParams
-
 from batch.generator import OUTPUT_SCHEMA, BatchStats, DartGenerator
-from batch.profiles import read_profile
 from batch.store import OutputStore, id_report
+from dart_ray import EngineConfig, SamplingParams, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +74,7 @@ class BatchJobConfig:
     seed: int | None = 0
     """Base of per-row sampling seeds (seed + hash(id)); None = unseeded."""
     profile: str | None = None
-    """Decoding profile file or name (see :mod:`batch.profiles`)."""
+    """Decoding profile name or YAML path (:func:`dart_ray.load_profile`), read on the driver."""
     concurrency: int = 1
     """Engine actors (each loads the weights once)."""
     batch_size: int = 32
@@ -155,11 +153,11 @@ class JobSummary:
     def format(self) -> str:
         o = self.output
         lines = [
-            f"dart-ray batch: {self.input_rows} input rows, {self.already_done} already done, "
-            f"{self.rows} processed this run ({self.errors} errors) in {self.wall_s:.1f} s",
-            f"  {self.rows_per_s:.2f} rows/s, {self.tokens_per_s:.1f} tokens/s "
-            f"({self.completion_tokens} completion tokens), mean accepted length "
-            f"{self.mean_accepted_len:.2f}",
+            (f"dart-ray batch: {self.input_rows} input rows, {self.already_done} already done, "
+             f"{self.rows} processed this run ({self.errors} errors) in {self.wall_s:.1f} s"),
+            (f"  {self.rows_per_s:.2f} rows/s, {self.tokens_per_s:.1f} tokens/s "
+             f"({self.completion_tokens} completion tokens), mean accepted length "
+             f"{self.mean_accepted_len:.2f}"),
         ]
         if self.ok:
             lines.append(f"  output: {o['expected']} ids, each exactly once")
@@ -194,27 +192,9 @@ def resolve_input(path: str) -> tuple[list[str], str]:
     raise FileNotFoundError(path)
 
 
-def _read_local(files: list[str], fmt: str, columns: list[str] | None) -> pa.Table:
-    """Read ``columns`` of the input on the driver (ids, or the whole input to number its rows)."""
-    tables = []
-    for f in files:
-        if fmt == "parquet":
-            tables.append(pq.read_table(f, columns=columns))
-        else:
-            t = pajson.read_json(f)
-            missing = [c for c in columns or [] if c not in t.column_names]
-            if missing:
-                raise KeyError(missing[0])
-            tables.append(t.select(columns) if columns else t)
-    return pa.concat_tables(tables, promote_options="permissive")
-
-
-def _column_presence(files: list[str], fmt: str, column: str) -> bool:
-    """Whether every input file has ``column`` (error if only some do)."""
-    if fmt == "parquet":
-        present = [column in pq.read_schema(f).names for f in files]
-    else:
-        present = [column in pajson.read_json(f).column_names for f in files]
+def _has_column(schemas: list[list[str]], column: str) -> bool:
+    """Whether every input file has ``column`` (an error if only some do)."""
+    present = [column in names for names in schemas]
     if any(present) and not all(present):
         raise ValueError(f"column {column!r} is in some input files but not in others")
     return all(present)
@@ -255,7 +235,8 @@ class _PartWriter:
         self.id_column = id_column
         self.prompt_column = prompt_column
         self.schema = pa.schema([(id_column, id_type), (prompt_column, pa.string()), *OUTPUT_SCHEMA])
-        self.generator = DartGenerator(id_column=id_column, prompt_column=prompt_column, **generator_kwargs)
+        self.generator = DartGenerator(id_column=id_column, prompt_column=prompt_column,
+                                       **generator_kwargs)
 
     def __call__(self, table: pa.Table) -> pa.Table:
         st = BatchStats()
@@ -263,91 +244,133 @@ class _PartWriter:
             out, st = self.generator.process(table)
             prompts = [p if p is None or isinstance(p, str) else str(p)
                        for p in table.column(self.prompt_column).to_pylist()]
-            part = pa.Table.from_arrays(
-                [table.column(self.id_column).cast(self.schema.field(0).type), pa.array(prompts, pa.string()),
-                 *out.columns], schema=self.schema)
+            ids = table.column(self.id_column).cast(self.schema.field(0).type)
+            part = pa.Table.from_arrays([ids, pa.array(prompts, pa.string()), *out.columns],
+                                        schema=self.schema)
             self.store.write_part(part, self.id_column)
         return pa.Table.from_pylist([dataclasses.asdict(st)])
 
 
 # ---- the job --------------------------------------------------------------------------------------
+@dataclass
+class _Input:
+    files: list[str]
+    fmt: str
+    """``parquet`` or ``json``."""
+    ids: pa.Array
+    numbered: pa.Table | None
+    """Without an id column: the whole input (prompt + row-number id), read on the driver."""
+
+
+def _load_input(cfg: BatchJobConfig) -> _Input:
+    """Check the input's columns and read its ids on the driver (parquet: the id column only;
+    JSON Lines: the whole files, so prefer parquet for very large inputs)."""
+    files, fmt = resolve_input(cfg.input)
+    if fmt == "parquet":
+        schemas = [pq.read_schema(f).names for f in files]
+
+        def read(cols: list[str]) -> pa.Table:
+            return pa.concat_tables([pq.read_table(f, columns=cols) for f in files],
+                                    promote_options="permissive")
+    else:
+        tables = [pajson.read_json(f) for f in files]
+        schemas = [t.column_names for t in tables]
+
+        def read(cols: list[str]) -> pa.Table:
+            return pa.concat_tables([t.select(cols) for t in tables], promote_options="permissive")
+    if not _has_column(schemas, cfg.prompt_column):
+        raise ValueError(f"input has no prompt column {cfg.prompt_column!r}")
+    if _has_column(schemas, cfg.id_column):
+        ids = read([cfg.id_column]).column(0).combine_chunks()
+        numbered = None
+    else:
+        log.warning("input has no %r column: ids are row numbers over %d file(s) in path order",
+                    cfg.id_column, len(files))
+        numbered = read([cfg.prompt_column])
+        numbered = numbered.append_column(cfg.id_column, pa.array(range(numbered.num_rows), pa.int64()))
+        ids = numbered.column(cfg.id_column).combine_chunks()
+    check_unique_ids(ids)
+    return _Input(files, fmt, ids, numbered)
+
+
 def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSummary:
     """Run (or resume) the job; returns its summary. Starts Ray with ``ray_init`` if needed."""
-    files, fmt = resolve_input(cfg.input)
+    profile = load_profile(cfg.profile).to_dict() if cfg.profile else None  # workers get a dict
     store = OutputStore(cfg.output)
-    profile = read_profile(cfg.profile) if cfg.profile else None
     with store.driver_session(cfg.stale_worker_timeout_s):
-        if not _column_presence(files, fmt, cfg.prompt_column):
-            raise ValueError(f"input has no prompt column {cfg.prompt_column!r}")
-        has_ids = _column_presence(files, fmt, cfg.id_column)
-        if has_ids:
-            numbered = None
-            ids = _read_local(files, fmt, [cfg.id_column]).column(0).combine_chunks()
-        else:
-            log.warning("input has no %r column: ids are row numbers over %d file(s) in path order",
-                        cfg.id_column, len(files))
-            numbered = _read_local(files, fmt, [cfg.prompt_column])
-            numbered = numbered.append_column(cfg.id_column, pa.array(range(numbered.num_rows), pa.int64()))
-            ids = numbered.column(cfg.id_column).combine_chunks()
-        check_unique_ids(ids)
-        store.check_manifest(cfg.manifest("column" if has_ids else ROW_NUMBER), force=cfg.force)
+        inp = _load_input(cfg)
+        store.check_manifest(cfg.manifest(ROW_NUMBER if inp.numbered is not None else "column"),
+                             force=cfg.force)
         stale = store.clear_tmp()
         if stale:
             log.info("deleted %d half-written part(s) of an earlier run", stale)
         committed = store.committed_ids(cfg.id_column)
-        before = id_report(ids, committed)
-        done = None
-        if committed is not None:
-            done = pc.unique(committed.combine_chunks().cast(ids.type))
-        n_done = before["expected"] - before["missing"]
-        summary = JobSummary(input_rows=len(ids), already_done=n_done)
-        remaining = len(ids) - n_done
-        if remaining:
-            summary = _run_pipeline(cfg, store, files, fmt, numbered, ids.type, done, remaining,
-                                    profile, summary, ray_init)
-        summary.output = id_report(ids, store.committed_ids(cfg.id_column))
+        before = id_report(inp.ids, committed)
+        summary = JobSummary(input_rows=len(inp.ids),
+                             already_done=before["expected"] - before["missing"])
+        if before["missing"]:
+            done = None
+            if committed is not None:
+                done = pc.unique(committed.combine_chunks().cast(inp.ids.type))
+            _run_pipeline(cfg, store, inp, done, before["missing"], profile, summary, ray_init)
+        summary.output = id_report(inp.ids, store.committed_ids(cfg.id_column))
         (store.meta / "last_run.json").write_text(json.dumps(summary.to_dict(), indent=2))
         return summary
 
 
-def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, files: list[str], fmt: str,
-                  numbered: pa.Table | None, id_type: pa.DataType, done: pa.Array | None,
+def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa.Array | None,
                   remaining: int, profile: dict | None, summary: JobSummary,
-                  ray_init: dict | None) -> JobSummary:
+                  ray_init: dict | None) -> None:
+    """Generate the ``remaining`` rows (those not in ``done``), adding their totals to ``summary``."""
     import ray
     import ray.data
-    from tqdm.auto import tqdm
 
     if not ray.is_initialized():
         ray.init(**(ray_init or {}))
-    ray.data.DataContext.get_current().enable_progress_bars = False  # ours is the one bar
+    total = ray.cluster_resources().get("CPU", 1.0)
     cpus = cfg.num_cpus_per_actor
     if cpus is None:
-        cpus = max(0.25, (ray.cluster_resources().get("CPU", 1.0) - 1.0) / cfg.concurrency)
+        cpus = max(0.25, (total - 1.0) / cfg.concurrency)
+    elif cpus * cfg.concurrency > total - 1.0:
+        log.warning("the actors declare %.2f of the cluster's %.0f CPUs; Ray Data's file listing needs "
+                    "one free CPU, so the job may stall", cpus * cfg.concurrency, total)
     engine = cfg.engine
     if engine.num_threads is None:
         engine = engine.replace(num_threads=max(1, math.floor(cpus)))
-    gen_kwargs = dict(engine_config=engine, chat=cfg.chat, sampling=cfg.sampling, seed=cfg.seed,
-                      profile=profile)
+    gen_kwargs = {"engine_config": engine, "chat": cfg.chat, "sampling": cfg.sampling,
+                  "seed": cfg.seed, "profile": profile}
 
-    cols = [cfg.id_column, cfg.prompt_column]
-    if numbered is not None:
-        step = cfg.batch_size
-        ds = ray.data.from_arrow([numbered.slice(i, step) for i in range(0, numbered.num_rows, step)])
-    elif fmt == "parquet":
-        ds = ray.data.read_parquet(files, columns=cols, num_cpus=READ_CPUS)
+    ctx = ray.data.DataContext.get_current()
+    ray_bars, ctx.enable_progress_bars = ctx.enable_progress_bars, False  # ours is the one bar
+    try:
+        _execute(cfg, store, inp, done, remaining, summary, cpus, gen_kwargs)
+    finally:
+        ctx.enable_progress_bars = ray_bars
+
+
+def _execute(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa.Array | None,
+             remaining: int, summary: JobSummary, cpus: float, gen_kwargs: dict) -> None:
+    import ray.data
+    from tqdm.auto import tqdm
+
+    if inp.numbered is not None:
+        step, t = cfg.batch_size, inp.numbered
+        ds = ray.data.from_arrow([t.slice(i, step) for i in range(0, t.num_rows, step)])
+    elif inp.fmt == "parquet":
+        ds = ray.data.read_parquet(inp.files, columns=[cfg.id_column, cfg.prompt_column],
+                                   num_cpus=READ_CPUS)
     else:
-        ds = ray.data.read_json(files, lines=True, num_cpus=READ_CPUS)
+        ds = ray.data.read_json(inp.files, lines=True, num_cpus=READ_CPUS)
     ds = ds.map_batches(_prepare, batch_format="pyarrow", batch_size=None, num_cpus=READ_CPUS,
-                        fn_kwargs=dict(id_column=cfg.id_column, prompt_column=cfg.prompt_column,
-                                       id_type=id_type, done=done))
+                        fn_kwargs={"id_column": cfg.id_column, "prompt_column": cfg.prompt_column,
+                                   "id_type": inp.ids.type, "done": done})
     ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
     ds = ds.map_batches(
         _PartWriter, batch_format="pyarrow", batch_size=cfg.batch_size,
         compute=ray.data.ActorPoolStrategy(size=cfg.concurrency), num_cpus=cpus,
-        fn_constructor_kwargs=dict(output=str(store.root), id_column=cfg.id_column,
-                                   prompt_column=cfg.prompt_column, id_type=id_type,
-                                   generator_kwargs=gen_kwargs))
+        fn_constructor_kwargs={"output": str(store.root), "id_column": cfg.id_column,
+                               "prompt_column": cfg.prompt_column, "id_type": inp.ids.type,
+                               "generator_kwargs": gen_kwargs})
 
     t0 = time.perf_counter()
     with tqdm(total=remaining, unit="row", desc="dart-ray batch", disable=not cfg.progress) as bar:
@@ -355,8 +378,7 @@ def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, files: list[str], fmt
             for st in b.to_pylist():
                 summary.add(st)
                 bar.update(st["rows"])
-            dt = time.perf_counter() - t0
-            bar.set_postfix(errors=summary.errors, tok_s=f"{summary.completion_tokens / dt:.1f}",
+            summary.wall_s = time.perf_counter() - t0
+            bar.set_postfix(errors=summary.errors, tok_s=f"{summary.tokens_per_s:.1f}",
                             tau=f"{summary.mean_accepted_len:.2f}", refresh=False)
     summary.wall_s = time.perf_counter() - t0
-    return summary

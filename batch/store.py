@@ -33,8 +33,8 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -80,7 +80,7 @@ class OutputStore:
         for p in paths:
             try:
                 chunks.append(pq.read_table(p, columns=[id_column]).column(0))
-            except Exception as e:  # noqa: BLE001 - name the file, whatever pyarrow raised
+            except Exception as e:
                 raise CorruptPartError(
                     f"cannot read id column {id_column!r} of committed part {p}: {e}. It was not "
                     f"written by dart-ray batch's atomic commit; remove it and rerun") from e

@@ -8,8 +8,9 @@ of crashing a replica later.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from dart_ray import DecodingConfig, EngineConfig
 
@@ -100,7 +101,7 @@ class ServeArgs:
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, args: Mapping[str, Any] | None) -> "ServeArgs":
+    def from_dict(cls, args: Mapping[str, Any] | None) -> ServeArgs:
         """Validate a plain dict (unknown keys are an error naming the known ones)."""
         if args is None:
             return cls()
@@ -114,7 +115,7 @@ class ServeArgs:
             _fail(f"unknown keys {unknown}; known keys: {sorted(known)}")
         return cls(**dict(args))
 
-    def replace(self, **changes) -> "ServeArgs":
+    def replace(self, **changes) -> ServeArgs:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:

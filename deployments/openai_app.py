@@ -25,7 +25,10 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -33,14 +36,34 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dart_ray import Engine, PromptTooLongError, SamplingParams
-from dart_ray.engine.async_engine import (MAIN_LANE, AsyncEngine, AsyncEngineError, EngineDeadError,
-                                          EngineStepError, QueueFullError)
+from dart_ray.engine.async_engine import (
+    MAIN_LANE,
+    AsyncEngine,
+    AsyncEngineError,
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+)
 from deployments.config import ServeArgs
 from deployments.metrics import ServerMetrics
 from deployments.placement import placement_options, replica_actor_options
-from deployments.protocol import (SSE_DONE, APIError, GenerationRequest, bad, chunk, completion_response,
-                                  error_body, new_id, now, parse_chat, parse_completion, parse_json, sse,
-                                  usage, usage_chunk)
+from deployments.protocol import (
+    SSE_DONE,
+    APIError,
+    GenerationRequest,
+    bad,
+    chunk,
+    completion_response,
+    error_body,
+    new_id,
+    now,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    sse,
+    usage,
+    usage_chunk,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -49,26 +72,51 @@ DEPLOYMENT_NAME = "DartRayServer"
 
 # ---- engine construction (the tensor-parallel hook) -------------------------------------------------
 def check_tensor_parallel(args: ServeArgs) -> None:
-    """Fail early for configurations :func:`make_engine` cannot build yet."""
-    if args.tensor_parallel_size > 1:
-        raise NotImplementedError(
-            f"tensor_parallel_size={args.tensor_parallel_size}: tensor parallelism is not wired into the "
-            "Serve deployment yet (deployments.openai_app.make_engine builds single-process engines only)")
+    """Fail at build time for a model the TP transform cannot split (local HF directories only;
+    other model references are checked when the replica loads them)."""
+    if args.tensor_parallel_size > 1 and args.model and (Path(args.model) / "config.json").is_file():
+        from dart_ray.models.loading import read_model_args
+        from dart_ray.parallel import shard_plan
+
+        shard_plan(read_model_args(Path(args.model)), 0, args.tensor_parallel_size)
 
 
-def make_engine(args: ServeArgs) -> Engine:
+@dataclass
+class ReplicaEngine:
+    """An engine plus the resources it needs released (what a tensor-parallel build returns)."""
+
+    engine: Engine
+    check_health: Callable[[], None] | None = None
+    """Raises if a resource behind the engine (e.g. a TP worker actor) is gone."""
+    shutdown: Callable[[], None] | None = None
+    """Releases those resources; called once when the replica stops, after the engine thread."""
+
+
+def make_engine(args: ServeArgs) -> Engine | ReplicaEngine:
     """Build the replica's engine (runs once, on the engine thread of the replica).
 
     This is the single place a replica creates its engine: a tensor-parallel engine (rank 0 here,
     ranks 1.. as actors in the replica's placement group, see :mod:`deployments.placement`) plugs
-    in by returning an object with the Engine interface.
+    in by returning a :class:`ReplicaEngine` whose ``engine`` has the Engine interface (all its
+    calls then happen on the engine thread) and whose hooks Serve's health check and the replica's
+    shutdown call.
     """
     check_tensor_parallel(args)
-    engine = Engine.from_config(args.engine_config())
+    group = None
+    if args.tensor_parallel_size > 1:
+        from deployments.tp import start_tp_group
+
+        group = start_tp_group(args.engine_config(), args.tensor_parallel_size,
+                               num_cpus_per_worker=args.num_cpus)
+        engine = group.engine
+    else:
+        engine = Engine.from_config(args.engine_config())
     if args.profile:
         from dart_ray.profiles import load_profile
 
         engine.set_decoding(load_profile(args.profile))
+    if group is not None:
+        return ReplicaEngine(engine=engine, check_health=group.check_health, shutdown=group.shutdown)
     return engine
 
 
@@ -124,7 +172,16 @@ def _engine_error(e: BaseException) -> APIError:
 class DartRayServer:
     def __init__(self, args: dict | ServeArgs) -> None:
         self.args = ServeArgs.from_dict(args)
-        self.aengine = AsyncEngine(lambda: make_engine(self.args), max_queue=self.args.max_queue)
+        self._hooks = ReplicaEngine(engine=None)  # type: ignore[arg-type]
+
+        def build() -> Engine:
+            built = make_engine(self.args)
+            if isinstance(built, ReplicaEngine):
+                self._hooks = built
+                return built.engine
+            return built
+
+        self.aengine = AsyncEngine(build, max_queue=self.args.max_queue)
         info = self.aengine.call_future(
             lambda e: (e.target.model_id, e.max_seq_len, e.config.method, e.decoding.chunk_len)).result()
         self.model_id, self.max_seq_len, self.method, self.chunk_len = info
@@ -138,6 +195,8 @@ class DartRayServer:
     # ---- Serve hooks and handle methods ------------------------------------------------------------
     def check_health(self) -> None:
         self.aengine.check_health()
+        if self._hooks.check_health is not None:
+            self._hooks.check_health()
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve ``user_config``: ``{"decoding": {...}}`` or ``{"profile": name}`` (no reload)."""
@@ -165,7 +224,11 @@ class DartRayServer:
     def __del__(self) -> None:
         aeng = getattr(self, "aengine", None)
         if aeng is not None:
-            aeng.shutdown(timeout_s=2.0)
+            aeng.shutdown(timeout_s=5.0)
+        hooks = getattr(self, "_hooks", None)
+        if hooks is not None and hooks.shutdown is not None:
+            hooks.shutdown, shutdown = None, hooks.shutdown
+            shutdown()
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
@@ -189,7 +252,7 @@ class DartRayServer:
     async def _lane(self, method: str | None) -> tuple[str, str]:
         if method is None or method == self.method:
             return MAIN_LANE, self.method
-        if not self.args.allow_speculative_override:
+        if not self.args.allow_speculative_override or self.args.tensor_parallel_size > 1:
             raise bad(f"this server does not run per-request speculative overrides (it runs {self.method!r})",
                       "speculative", "unsupported_value")
         if method not in self.aengine.lanes:
@@ -238,7 +301,7 @@ class DartRayServer:
     @app.get("/health")
     async def health(self):
         try:
-            self.aengine.check_health()
+            self.check_health()
         except Exception as e:  # noqa: BLE001
             return JSONResponse(error_body(str(e), "server_error", None, "unhealthy"), status_code=503)
         return {"status": "ok", "queue_depth": self.aengine.queue_depth, "num_running": self.aengine.num_running}

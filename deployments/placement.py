@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def _is_gpu(device: str) -> bool:
-    return device.startswith("cuda") or device.startswith("gpu")
+    return device.startswith(("cuda", "gpu"))
 
 
 def worker_bundle(device: str, num_cpus_per_worker: float) -> dict[str, float]:

@@ -17,6 +17,7 @@ n > 1, best_of > 1) are rejected with 400 rather than silently ignored.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -93,7 +94,7 @@ def _num(body: dict, key: str, default, lo: float, hi: float, lo_open: bool = Fa
         return default
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise bad(f"'{key}' must be a number, got {type(v).__name__}", key, "invalid_type")
-    if v != v or v < lo or v > hi or (lo_open and v == lo):
+    if math.isnan(v) or v < lo or v > hi or (lo_open and v == lo):
         rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise bad(f"'{key}' must be in {rng}, got {v}", key)
     return float(v)

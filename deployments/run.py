@@ -27,7 +27,7 @@ def load_serve_config(path: str | os.PathLike | None = None) -> dict:
         raise ValueError(f"{p}: expected a Serve config with a non-empty 'applications' list")
     for i, a in enumerate(cfg["applications"]):
         if not isinstance(a, dict) or not isinstance(a.get("import_path"), str):
-            raise ValueError(f"{p}: applications[{i}] needs an import_path")
+            raise ValueError(f"{p}: applications[{i}] needs an import_path")  # noqa: TRY004
         if a.get("args") is not None and not isinstance(a["args"], dict):
             raise ValueError(f"{p}: applications[{i}].args must be a mapping")
     return cfg
@@ -78,6 +78,9 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
     import ray
     from ray import serve
 
+    if blocking and threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # started with SIGINT ignored (`cmd &`)
     started_ray = False
     if not ray.is_initialized():
         init_kw: dict[str, Any] = {"include_dashboard": False}
@@ -102,17 +105,19 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
         return info
 
     stop = threading.Event()
-    prev = None
+    prev = {}
     if threading.current_thread() is threading.main_thread():
-        prev = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        # Ctrl-C and SIGTERM both stop cleanly (SIGINT explicitly: a shell may start us with it ignored)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            prev[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:
         pass
     finally:
-        if prev is not None:
-            signal.signal(signal.SIGTERM, prev)
+        for sig, handler in prev.items():
+            signal.signal(sig, handler)
         print("shutting down Serve and Ray ...", flush=True)
         shutdown_local(started_ray)
     return info

@@ -18,7 +18,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from conftest import make_tiny_checkpoint
 
 pytestmark = pytest.mark.serve
@@ -68,14 +67,14 @@ def server(tiny_model):
 
     tmp = tempfile.mkdtemp(prefix="drs-", dir="/tmp")       # short: Ray's socket paths must fit
     port = _free_port()
-    if ray.is_initialized():
-        pytest.skip("Ray is already running in this process")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
+    own_ray = not ray.is_initialized()                        # reuse a Ray another module started
+    if own_ray:
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = dict(model=str(tiny_model), method="ngram", dtype="fp32", max_batch_size=4,
-                    max_seq_len=MAX_SEQ_LEN, num_threads=1, num_cpus=0.25, max_queue=32,
-                    served_model_name=MODEL_NAME)
+        args = {"model": str(tiny_model), "method": "ngram", "dtype": "fp32", "max_batch_size": 4,
+                "max_seq_len": MAX_SEQ_LEN, "num_threads": 1, "num_cpus": 0.25, "max_queue": 32,
+                "served_model_name": MODEL_NAME}
         secure = {**args, "method": "none", "api_key": API_KEY, "max_batch_size": 1}
         serve.run_many([serve.RunTarget(build_app(args), name="main", route_prefix="/"),
                         serve.RunTarget(build_app(secure), name="secure", route_prefix="/secure")])
@@ -84,7 +83,8 @@ def server(tiny_model):
         try:
             serve.shutdown()
         finally:
-            ray.shutdown()
+            if own_ray:
+                ray.shutdown()
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -112,7 +112,7 @@ def reference(tiny_model):
 
 def _metric(text: str, name: str, labels: str = "") -> float:
     pat = re.escape(name) + (r"\{[^}]*" + re.escape(labels) + r"[^}]*\}" if labels else r"(\{[^}]*\})?") + r" (\S+)"
-    m = re.search(r"^" + pat + r"$", text, re.M)
+    m = re.search(r"^" + pat + r"$", text, re.MULTILINE)
     assert m, f"{name} {labels} not in metrics"
     return float(m.groups()[-1])
 
@@ -151,7 +151,7 @@ def test_completion_matches_reference_and_stream(client, reference):
 def test_chat_nonstream_stream_and_override(client, reference):
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
     r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=16, temperature=0)
-    text, reason, n, n_prompt = reference(msgs, 16, chat=True)
+    text, _, n, n_prompt = reference(msgs, 16, chat=True)
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == n
 
@@ -174,7 +174,8 @@ def test_chat_nonstream_stream_and_override(client, reference):
 
 
 def test_sampling_params_and_stop(client):
-    kw = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+    kw = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.8,
+          "top_p": 0.9, "seed": 7}
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
     assert a == b                                      # seeded sampling is reproducible

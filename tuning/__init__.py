@@ -6,7 +6,7 @@ Imports are lazy: ``import tuning`` pulls in neither Ray nor Optuna.
 
 from __future__ import annotations
 
-__all__ = ["SearchSpace", "Param", "TuneSettings", "run_tune", "tune_cli", "ExactnessError"]
+__all__ = ["ExactnessError", "Param", "SearchSpace", "TuneSettings", "run_tune", "tune_cli"]
 
 
 def __getattr__(name: str):

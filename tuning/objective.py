@@ -27,8 +27,8 @@ import dataclasses
 import os
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
 

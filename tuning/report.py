@@ -11,8 +11,8 @@ def _f(v, nd=1) -> str:
 
 def format_summary(results, space) -> str:
     """Markdown table: per batch size, default vs best on the held-out split, plus changed knobs."""
-    rows = ["| batch | trials (ok/pruned/err/intr) | default tok/s | tuned tok/s | gain | tau def -> tuned "
-            "| chosen | changed knobs |",
+    rows = [("| batch | trials (ok/pruned/err/intr) | default tok/s | tuned tok/s | gain | tau def -> tuned "
+             "| chosen | changed knobs |"),
             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         c = r.counts

@@ -22,14 +22,21 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Sequence
 
-from dart_ray import DecodingConfig, DecodingSchedule, Engine, EngineConfig, SamplingParams, save_profile
+from dart_ray import (
+    DecodingConfig,
+    DecodingSchedule,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    save_profile,
+)
 from tuning import study as studies
-from tuning.objective import METRIC, TrialJob, stream_batched
+from tuning.objective import TrialJob, stream_batched
 from tuning.space import SearchSpace
 
 MAX_BATCH_BOUND = 1024
@@ -206,55 +213,6 @@ def _init_ray(s: TuneSettings) -> bool:
     return True
 
 
-def _progress_callback(batch_size: int, target: int, done_before: int, searcher, log: Callable[[str], None]):
-    from ray import tune
-
-    class Progress(tune.Callback):
-        """One line per finished trial; forwards error text into the Optuna study."""
-
-        def __init__(self) -> None:
-            self.n = done_before
-            self.best: float | None = None
-
-        def _line(self, trial, status: str) -> None:
-            self.n += 1
-            r = trial.last_result or {}
-            tps = r.get(METRIC)
-            if status == "complete" and tps is not None:
-                self.best = tps if self.best is None else max(self.best, tps)
-            knobs = " ".join(f"{k}={_fmt(v)}" for k, v in sorted(trial.config.items()))
-            msg = f"[bs={batch_size}] trial {self.n}/{target} {status}"
-            if tps is not None:
-                msg += f": {tps:.1f} tok/s, tau {r.get('tau', 0):.2f} ({r.get('prompts_done', 0)} prompts)"
-            if self.best is not None:
-                msg += f" | best this run {self.best:.1f}"
-            log(f"{msg}\n    {knobs}")
-
-        def on_trial_complete(self, iteration, trials, trial, **info):
-            r = trial.last_result or {}
-            self._line(trial, "complete" if r.get("complete") else "stopped early")
-
-        def on_trial_error(self, iteration, trials, trial, **info):
-            text = ""
-            try:
-                text = trial.get_error() or ""
-            except Exception:
-                pass
-            msg = _error_summary(text)
-            searcher.record_error(trial.trial_id, msg)
-            self._line(trial, f"ERROR ({msg[:300]})")
-
-    return Progress()
-
-
-def _error_summary(trace: str) -> str:
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "Error" in ln.split(":")[0] or "Exception" in ln.split(":")[0]:
-            return ln
-    return lines[-1] if lines else "unknown error"
-
-
 def _fmt(v) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
@@ -264,6 +222,7 @@ def _run_batch_size(s: TuneSettings, b: int, job: TrialJob, space: SearchSpace, 
     """One Tune experiment for one batch size; returns the number of trials it started."""
     from ray import tune
 
+    from tuning.callbacks import Progress
     from tuning.objective import trainable
 
     stopped: set = set()
@@ -274,17 +233,23 @@ def _run_batch_size(s: TuneSettings, b: int, job: TrialJob, space: SearchSpace, 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_config = tune.RunConfig(
         name=f"{s.workload}-bs{b}-{stamp}", storage_path=str(s.results_path), verbose=0,
-        callbacks=[_progress_callback(b, s.trials, status.finished, searcher, log), *callbacks],
+        callbacks=[Progress(b, s.trials, status.finished, searcher, log), *callbacks],
         failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
         checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=False))
     tune_config = tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=status.remaining,
                                   max_concurrent_trials=s.max_concurrent_trials, reuse_actors=True,
                                   time_budget_s=budget_s)
     tuner = tune.Tuner(fn, tune_config=tune_config, run_config=run_config)
+    t0 = time.monotonic()
     try:
         grid = tuner.fit()
     finally:
         searcher.finalize()
+    # Tune turns Ctrl+C into a quiet early stop; surface it (unless the time budget ended the run)
+    # so the remaining batch sizes do not start. The study keeps everything finished so far.
+    out_of_time = budget_s is not None and time.monotonic() - t0 >= budget_s - 1.0
+    if (len(grid) < status.remaining or searcher.interrupted) and not out_of_time:
+        raise KeyboardInterrupt(f"tune of batch size {b} was interrupted")
     return len(grid)
 
 

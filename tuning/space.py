@@ -87,7 +87,7 @@ class SearchSpace:
     # ---- construction ---------------------------------------------------------------------
     @classmethod
     def for_drafter(cls, method: str, max_depth: int, has_ngram: bool = True,
-                    base: DecodingConfig | None = None) -> "SearchSpace":
+                    base: DecodingConfig | None = None) -> SearchSpace:
         """The default space for ``method`` ("dart" or "ngram") and a drafter of ``max_depth``."""
         base = base or DecodingConfig()
         if max_depth < 1:
@@ -115,7 +115,7 @@ class SearchSpace:
         return cls(tuple(ps), base)
 
     @classmethod
-    def for_engine(cls, engine, base: DecodingConfig | None = None) -> "SearchSpace":
+    def for_engine(cls, engine, base: DecodingConfig | None = None) -> SearchSpace:
         """The default space for a loaded engine's drafter."""
         drafter = engine.drafter
         has_ngram = getattr(drafter, "ngram", None) is not None

@@ -11,7 +11,8 @@ record of each run):
 * A trial left RUNNING in the database was interrupted (driver killed, time budget hit,
   exception): on the next run it is marked FAIL with ``interrupted=True`` (not counted) and its
   parameters are enqueued again once, so the point it was evaluating is not lost.
-* The default point is enqueued into a fresh study, so it is always the first trial.
+* The default point is enqueued into a fresh study, so it is always the first trial (unless
+  points were enqueued by hand before).
 * The study records a fingerprint of the setup (model, method, drafter, dtype, prompts,
   lengths, search space); resuming with a different setup is refused instead of silently mixing
   incomparable throughputs.
@@ -106,23 +107,35 @@ def prepare_study(storage, name: str, fingerprint: dict, space: SearchSpace, tar
     if old is None:
         study.set_user_attr("fingerprint", fingerprint)
     st = study._storage
-    waiting = [t.params for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
     requeued = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         st.set_trial_user_attr(t._trial_id, "interrupted", True)
         st.set_trial_state_values(t._trial_id, TrialState.FAIL)
-        tries = int(t.user_attrs.get("requeued", 0))
-        if t.params and space.contains(t.params) and tries < max_requeue and t.params not in waiting:
-            attrs = {"requeued": tries + 1}
-            if t.user_attrs.get("is_default"):
-                attrs["is_default"] = True
-            study.enqueue_trial(t.params, user_attrs=attrs)
-            waiting.append(t.params)
-            requeued += 1
-    if not study.get_trials(deepcopy=False):
+        requeued += requeue(study, t.params, t.user_attrs, space, max_requeue)
+    if not any(t.user_attrs.get("is_default") for t in study.get_trials(deepcopy=False)):
         study.enqueue_trial(space.default_point(), user_attrs={"is_default": True})
     finished = len(finished_trials(study))
     return StudyStatus(study, finished, max(0, target_trials - finished), requeued)
+
+
+def queued_params(t: optuna.trial.FrozenTrial) -> dict:
+    """The point an enqueued (WAITING) trial will evaluate."""
+    return dict(t.system_attrs.get("fixed_params") or t.params)
+
+
+def requeue(study: optuna.Study, params: dict, user_attrs: dict, space: SearchSpace | None = None,
+            max_requeue: int = 1) -> int:
+    """Enqueue an interrupted trial's point again (at most ``max_requeue`` times); 1 if enqueued."""
+    tries = int(user_attrs.get("requeued", 0))
+    if not params or tries >= max_requeue or (space is not None and not space.contains(params)):
+        return 0
+    if any(queued_params(t) == params for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))):
+        return 0
+    attrs = {"requeued": tries + 1}
+    if user_attrs.get("is_default"):
+        attrs["is_default"] = True
+    study.enqueue_trial(params, user_attrs=attrs)
+    return 1
 
 
 def make_sampler(seed: int | None, study: optuna.Study) -> optuna.samplers.BaseSampler:
@@ -148,8 +161,10 @@ def _searcher_class():
         def __init__(self, *, space: SearchSpace, study: optuna.Study, sampler, stopped: set) -> None:
             super().__init__(space=space.distributions(), metric=METRIC, mode="max", sampler=sampler,
                              study_name=study.study_name, storage=study._storage)
+            self._search_space = space
             self._stopped = stopped            # trial ids the scheduler stopped (shared with it)
             self._pending_fail: dict[str, object] = {}
+            self.interrupted: list[str] = []
 
         def suggest(self, trial_id: str):
             params = super().suggest(trial_id)
@@ -162,9 +177,12 @@ def _searcher_class():
             if trial_id in self._completed_trials or trial_id not in self._ot_trials:
                 return
             super().on_trial_result(trial_id, result)
+            self._record(trial_id, result)
+
+        def _record(self, trial_id: str, result: dict | None) -> None:
             ot = self._ot_trials[trial_id]
             for k in ("tau", "prompts_done", "tokens", "seconds", "worker_pid", "engine_builds"):
-                if k in result:
+                if result and k in result:
                     ot.set_user_attr(k, result[k])
 
         def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
@@ -175,13 +193,21 @@ def _searcher_class():
                 self._pending_fail[trial_id] = ot   # told once the error text arrives (record_error)
                 return
             value = (result or {}).get(METRIC)
+            self._record(trial_id, result)
             if result and result.get("complete") and value is not None:
                 self._tell(trial_id, value, TrialState.COMPLETE)
             elif value is not None and trial_id in self._stopped:
                 self._tell(trial_id, None, TrialState.PRUNED)
             else:
-                ot.set_user_attr("interrupted", True)
-                self._tell(trial_id, None, TrialState.FAIL)
+                self._interrupt(trial_id)
+
+        def _interrupt(self, trial_id: str) -> None:
+            ot = self._ot_trials[trial_id]
+            ot.set_user_attr("interrupted", True)
+            params, attrs = dict(ot.params), dict(ot.user_attrs)
+            self._tell(trial_id, None, TrialState.FAIL)
+            self.interrupted.append(trial_id)
+            requeue(self._ot_study, params, attrs, self._search_space)
 
         def record_error(self, trial_id: str, message: str) -> None:
             ot = self._pending_fail.pop(trial_id, None)
@@ -194,11 +220,10 @@ def _searcher_class():
             """Close every trial Tune left open (called after the Tune run returns or raises)."""
             for tid in list(self._pending_fail):
                 self.record_error(tid, "trial errored (no error text captured)")
-            for tid, ot in self._ot_trials.items():
+            for tid in list(self._ot_trials):
                 if tid not in self._completed_trials:
                     try:
-                        ot.set_user_attr("interrupted", True)
-                        self._tell(tid, None, TrialState.FAIL)
+                        self._interrupt(tid)
                     except Exception as e:  # already finished in storage
                         log.debug("finalize %s: %s", tid, e)
 

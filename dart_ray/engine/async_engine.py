@@ -36,8 +36,9 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from dart_ray.config import SamplingParams
 from dart_ray.engine.engine import Engine
@@ -288,7 +289,7 @@ class AsyncEngine:
         self._ready.set_result(None)
         try:
             self._loop()
-        except BaseException as e:  # noqa: BLE001 - the loop itself must not die silently
+        except BaseException as e:
             logger.exception("engine loop died")
             self._fatal = e
         finally:
@@ -333,7 +334,7 @@ class AsyncEngine:
             if lane is not None and lane.streams.pop(c.request_id, None) is not None:
                 try:
                     lane.engine.abort(c.request_id)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.exception("abort of %s failed", c.request_id)
         elif isinstance(c, _Call):
             if not c.future.set_running_or_notify_cancel():
@@ -355,7 +356,7 @@ class AsyncEngine:
     def _step(self, lane: _Lane) -> None:
         try:
             outputs = lane.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail in-flight requests, keep serving
+        except Exception as e:
             logger.exception("engine step failed on lane %s", lane.name)
             self.num_step_errors += 1
             lane.step_errors += 1
@@ -365,7 +366,7 @@ class AsyncEngine:
             for rid, st in list(lane.streams.items()):
                 try:
                     lane.engine.abort(rid)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.exception("abort of %s after a failed step failed", rid)
                 self._deliver(st, err)
             lane.streams.clear()
