@@ -120,6 +120,10 @@ class JobSummary:
     accepted_tokens: int = 0
     wall_s: float = 0.0
     """Seconds from the pipeline's start (actors loading included) to its end."""
+    first_result_s: float = 0.0
+    """Seconds until the first batch was committed (mostly actor start-up and weight loading)."""
+    engine_s: float = 0.0
+    """Seconds the engines spent generating, summed over actors."""
     output: dict = field(default_factory=dict)
     """id_report of the output directory after the run."""
 
@@ -143,6 +147,7 @@ class JobSummary:
     def add(self, st: dict) -> None:
         for k in ("rows", "errors", "prompt_tokens", "completion_tokens", "steps", "accepted_tokens"):
             setattr(self, k, getattr(self, k) + int(st[k]))
+        self.engine_s += float(st["generate_s"])
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -158,6 +163,8 @@ class JobSummary:
             (f"  {self.rows_per_s:.2f} rows/s, {self.tokens_per_s:.1f} tokens/s "
              f"({self.completion_tokens} completion tokens), mean accepted length "
              f"{self.mean_accepted_len:.2f}"),
+            (f"  first batch after {self.first_result_s:.1f} s; engines busy {self.engine_s:.1f} s "
+             f"in all"),
         ]
         if self.ok:
             lines.append(f"  output: {o['expected']} ids, each exactly once")
@@ -379,6 +386,7 @@ def _execute(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa.Arra
                 summary.add(st)
                 bar.update(st["rows"])
             summary.wall_s = time.perf_counter() - t0
+            summary.first_result_s = summary.first_result_s or summary.wall_s
             bar.set_postfix(errors=summary.errors, tok_s=f"{summary.tokens_per_s:.1f}",
                             tau=f"{summary.mean_accepted_len:.2f}", refresh=False)
     summary.wall_s = time.perf_counter() - t0

@@ -181,6 +181,7 @@ def _study(out_dir, b):
     return optuna.load_study(study_name=f"tiny.bs{b}", storage=f"sqlite:///{out_dir / 'tune.db'}")
 
 
+@pytest.mark.filterwarnings("ignore:Fixed parameter logit_weight_base:UserWarning")
 def test_tune_interrupt_resume_extend_profile(tiny_model, prompts_file, tmp_path, ray_cluster):
     from optuna.trial import TrialState
 
@@ -247,6 +248,23 @@ def test_tune_interrupt_resume_extend_profile(tiny_model, prompts_file, tmp_path
     assert out.results[0].counts["failed"] == 1
     assert all(p.is_file() and p.stat().st_size > 0 for p in out.plots) and len(out.plots) == 2
     assert "| batch |" in out.summary and load_profile(out.profile_path).workload == "tiny"
+
+
+def test_time_budget_is_honoured(tiny_model, prompts_file, tmp_path, ray_cluster):
+    """A budget too small to tune anything: no trial starts, the profile keeps the defaults, and
+    the run ends within the budget (plus the unavoidable engine load)."""
+    import time
+
+    from tuning.runner import run_tune
+
+    s = _settings(tiny_model, prompts_file, tmp_path, trials=3)
+    s.time_budget_s = 3.0
+    t0 = time.monotonic()
+    out = run_tune(s, log=lambda m: None)
+    assert time.monotonic() - t0 < 15
+    assert [r.ran_trials for r in out.results] == [0, 0]
+    assert all(cfg == DecodingConfig() for _, cfg in out.schedule.entries)
+    assert out.schedule.meta["time_budget_s"] == 3.0
 
 
 def test_cli_args(tmp_path):
