@@ -53,7 +53,9 @@ def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     e.add_argument("--device", default="cpu")
     e.add_argument("--threads", type=int, default=None,
                    help="torch threads per actor (default: floor of --num-cpus-per-actor)")
-    e.add_argument("--max-batch-size", type=int, default=8, help="rows an engine decodes together")
+    e.add_argument("--max-batch-size", type=int, default=8,
+                   help="rows an engine decodes together (1: bf16 greedy outputs equal "
+                        "`dart-ray generate` bit for bit; fp32 equals them at any size)")
     e.add_argument("--max-seq-len", type=int, default=2048)
     e.add_argument("--profile", default=None, help="decoding profile (name or YAML path)")
     r = p.add_argument_group("ray")

@@ -19,7 +19,10 @@ longer than the context -- gets its ``error`` set and null outputs; it never fai
 
 Valid prompts are tokenised once, checked with the engine's own ``check_prompt`` (``generate`` of a
 list is all or nothing), then decoded together by ``Engine.generate`` (continuous batching, up to
-``max_batch_size`` rows at a time). Greedy outputs equal a single-prompt ``Engine.generate``.
+``max_batch_size`` rows at a time). Greedy outputs equal a single-prompt ``Engine.generate``
+(what ``dart-ray generate`` runs) exactly in fp32; in bf16, rows decoded together can round
+differently and part ways at a near-tie (the engine is not batch-invariant in bf16), so use
+``max_batch_size=1`` when bf16 outputs must match single requests bit for bit.
 With ``seed`` set, row r samples with seed ``row_seed(seed, id_r)``, so sampled outputs do not
 depend on how rows were batched or scheduled.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,6 +279,7 @@ def test_killed_job_resumes_with_every_id_exactly_once(tmp_path, tiny_model, ref
             os.killpg(first.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 # ---- in-process Ray: JSONL without ids, two actors; DartGenerator in a user's pipeline ------------
@@ -285,9 +287,11 @@ def test_killed_job_resumes_with_every_id_exactly_once(tmp_path, tiny_model, ref
 def ray_local():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="drb", dir="/tmp"))
+    tmp = tempfile.mkdtemp(prefix="drb", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp)
     yield ray
     ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_jsonl_without_id_column_two_actors(tmp_path, engine_config, ref_engine, ray_local):

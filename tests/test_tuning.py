@@ -137,6 +137,18 @@ def test_exactness_violation_raises(tiny_model, monkeypatch):
     assert len(seen) == n_reports                                 # nothing reported for the broken run
 
 
+def test_half_precision_engine_is_checked_in_fp32(tiny_model):
+    from tuning.objective import WorkerState
+
+    cfg = EngineConfig(model=str(tiny_model), method="dart", drafter="random", ngram="none", dtype="bf16",
+                       max_batch_size=2, max_seq_len=256, num_threads=1)
+    state = WorkerState(cfg, check_dtype="fp32", check_batch=2)
+    assert state.check_engine is not state.engine and state.check_engine.config.dtype == "fp32"
+    assert state.check_engine.drafter.max_depth == state.engine.drafter.max_depth
+    state.check_exact(DecodingConfig(tree_budget=12, top_k=4, beam_width=3), PROMPTS[:2],
+                      SamplingParams(max_new_tokens=8, ignore_eos=True), batch_size=2)
+
+
 # ---- end to end through Ray Tune -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts measured per trial (default max(8, 2 x batch size))")
     w.add_argument("--reports-per-trial", type=int, default=4, help="incremental reports per trial (ASHA rungs)")
     w.add_argument("--check-prompts", type=int, default=2, help="prompts checked against AR per trial")
+    w.add_argument("--check-tokens", type=int, default=None,
+                   help="tokens generated per check prompt (default min(max-new-tokens, 32))")
     w.add_argument("--check-dtype", default="fp32",
                    help="dtype of the exactness check ('same' = the measuring engine's dtype)")
     w.add_argument("--eval-repeats", type=int, default=3, help="held-out runs per config (median)")
@@ -68,7 +70,7 @@ def settings_from_args(a: argparse.Namespace):
         model=a.model, method=a.method, drafter=a.drafter, ngram=a.ngram, dtype=a.dtype, device=a.device,
         max_seq_len=a.max_seq_len, max_new_tokens=a.max_new_tokens, chat=a.chat, num_prompts=a.num_prompts,
         eval_fraction=a.eval_fraction, prompts_per_trial=a.prompts_per_trial,
-        reports_per_trial=a.reports_per_trial, check_prompts=a.check_prompts,
+        reports_per_trial=a.reports_per_trial, check_prompts=a.check_prompts, check_tokens=a.check_tokens,
         check_dtype=None if a.check_dtype == "same" else a.check_dtype, cpus_per_trial=a.cpus_per_trial,
         gpus_per_trial=a.gpus_per_trial, max_concurrent_trials=a.max_concurrent_trials,
         eval_repeats=a.eval_repeats, seed=a.seed, plots=not a.no_plots, ray_address=a.ray_address,

@@ -56,12 +56,17 @@ class TrialJob:
     check_dtype: str | None = "fp32"
     """dtype of the exactness check (None or equal to the engine dtype: check on the measuring engine)."""
     num_threads: int | None = None
+    check_max_new_tokens: int | None = None
+    """Generated tokens per check prompt (default: ``max_new_tokens``)."""
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.engine)
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, ignore_eos=True)
+
+    def check_params(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.check_max_new_tokens or self.max_new_tokens, ignore_eos=True)
 
 
 def stream_batched(engine: Engine, prompts: Sequence[str], batch_size: int, params: SamplingParams,
@@ -173,7 +178,7 @@ def evaluate_config(state: WorkerState, decoding: DecodingConfig, job: TrialJob,
     if job.num_threads:
         torch.set_num_threads(job.num_threads)
     params = job.params()
-    state.check_exact(decoding, job.check_prompts, params, job.batch_size, job.chat)
+    state.check_exact(decoding, job.check_prompts, job.check_params(), job.batch_size, job.chat)
     eng = state.engine
     eng.set_decoding(decoding)
     eng.reset_stats()

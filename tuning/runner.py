@@ -73,6 +73,8 @@ class TuneSettings:
     """Prompts measured per trial; default max(8, 2 * batch size), capped by the tune split."""
     reports_per_trial: int = 4
     check_prompts: int = 2
+    check_tokens: int | None = None
+    """Tokens generated per exactness-check prompt; default min(max_new_tokens, 32)."""
     check_dtype: str | None = "fp32"
     cpus_per_trial: float | None = None
     """Default: all CPUs of the Ray cluster (trials run one at a time so they do not disturb each other)."""
@@ -132,6 +134,8 @@ class BatchResult:
     chosen: str = "default"
     note: str = ""
     eval_runs: int = 0
+    outputs_equal: bool | None = None
+    """Tuned and default greedy outputs identical on the eval split (fp32: required; half: informative)."""
 
     @property
     def gain(self) -> float | None:
@@ -217,8 +221,9 @@ def _fmt(v) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-def _run_batch_size(s: TuneSettings, b: int, job: TrialJob, space: SearchSpace, status: studies.StudyStatus,
-                    budget_s: float | None, n_reports: int, callbacks: Sequence, log) -> int:
+def _run_batch_size(s: TuneSettings, b: int, job: TrialJob, cpus: float, space: SearchSpace,
+                    status: studies.StudyStatus, budget_s: float | None, n_reports: int, callbacks: Sequence,
+                    log) -> int:
     """One Tune experiment for one batch size; returns the number of trials it started."""
     from ray import tune
 
@@ -228,8 +233,8 @@ def _run_batch_size(s: TuneSettings, b: int, job: TrialJob, space: SearchSpace, 
     stopped: set = set()
     searcher = studies.make_searcher(space, status.study, studies.make_sampler(s.seed, status.study), stopped)
     scheduler = studies.make_scheduler(n_reports, stopped)
-    resources = {"cpu": job.num_threads_cpus, "gpu": s.gpus_per_trial or 0}
-    fn = tune.with_resources(tune.with_parameters(trainable, job=job.trial), resources)
+    resources = {"cpu": cpus, "gpu": s.gpus_per_trial or 0}
+    fn = tune.with_resources(tune.with_parameters(trainable, job=job), resources)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_config = tune.RunConfig(
         name=f"{s.workload}-bs{b}-{stamp}", storage_path=str(s.results_path), verbose=0,
@@ -250,13 +255,10 @@ def _run_batch_size(s: TuneSettings, b: int, job: TrialJob, space: SearchSpace, 
     out_of_time = budget_s is not None and time.monotonic() - t0 >= budget_s - 1.0
     if (len(grid) < status.remaining or searcher.interrupted) and not out_of_time:
         raise KeyboardInterrupt(f"tune of batch size {b} was interrupted")
+    if searcher.interrupted:
+        log(f"[bs={b}] time budget reached: {len(searcher.interrupted)} unfinished trial(s) stopped; "
+            "their points are re-enqueued for the next run")
     return len(grid)
-
-
-@dataclass
-class _Job:
-    trial: TrialJob
-    num_threads_cpus: float
 
 
 def evaluate_on(engine: Engine, configs: dict[str, DecodingConfig], prompts: Sequence[str], batch_size: int,
@@ -337,11 +339,13 @@ def run_tune(s: TuneSettings, callbacks: Sequence = (), log: Callable[[str], Non
             report_every = max(1, math.ceil(n_trial / s.reports_per_trial))
             n_reports = math.ceil(n_trial / report_every)
             check = tuple(tune_p[:max(0, s.check_prompts)])
+            check_tokens = s.check_tokens or min(s.max_new_tokens, 32)
             fingerprint = {
                 "model": str(s.model), "method": s.method, "drafter": str(s.drafter), "ngram": str(s.ngram),
                 "dtype": s.dtype, "device": s.device, "max_seq_len": s.max_seq_len,
                 "max_new_tokens": s.max_new_tokens, "chat": s.chat, "threads": threads,
-                "prompts": _digest(tune_p[:n_trial]), "check": _digest(check), "check_dtype": str(s.check_dtype),
+                "prompts": _digest(tune_p[:n_trial]), "check": _digest(check),
+                "check_dtype": str(s.check_dtype), "check_tokens": check_tokens,
                 "space": json.dumps(space.to_dict(), sort_keys=True)}
             name = studies.study_name(s.workload, b)
             status = studies.prepare_study(storage, name, fingerprint, space, s.trials)
@@ -360,8 +364,9 @@ def run_tune(s: TuneSettings, callbacks: Sequence = (), log: Callable[[str], Non
                     job = TrialJob(engine=_engine_fields(ecfg), batch_size=b, prompts=tuple(tune_p[:n_trial]),
                                    check_prompts=check, max_new_tokens=s.max_new_tokens,
                                    base_decoding=base.to_dict(), chat=s.chat, report_every=report_every,
-                                   check_dtype=s.check_dtype, num_threads=threads)
-                    ran = _run_batch_size(s, b, _Job(job, cpus), space, status, budget, n_reports, callbacks, log)
+                                   check_dtype=s.check_dtype, num_threads=threads,
+                                   check_max_new_tokens=check_tokens)
+                    ran = _run_batch_size(s, b, job, cpus, space, status, budget, n_reports, callbacks, log)
             counts = _counts(status.study)
             best = studies.best_complete(status.study)
             results.append(BatchResult(
@@ -381,11 +386,13 @@ def run_tune(s: TuneSettings, callbacks: Sequence = (), log: Callable[[str], Non
             best_cfg = space.to_config(r.best_params)
             if best_cfg == default_cfg:
                 r.note = "best trial is the default"
-            if deadline.left() <= 0:
-                r.note = "evaluation skipped (time budget)"
-                st = study_objs[r.batch_size]
-                dt = studies.default_trial(st)
-                bt = studies.best_complete(st)
+            st = study_objs[r.batch_size]
+            dt, bt = studies.default_trial(st), studies.best_complete(st)
+            slowest = min(t.value for t in (dt, bt) if t is not None)
+            n_cfg = 1 if best_cfg == default_cfg else 2
+            estimate = n_cfg * len(eval_p) * s.max_new_tokens / max(slowest, 1e-9)   # one eval round
+            if estimate > deadline.left():
+                r.note = "evaluation skipped (time budget): decided on tune-split trial values"
                 r.default_tps = dt.value if dt is not None else None
                 r.best_tps = bt.value if bt is not None else None
                 if best_cfg != default_cfg and (r.default_tps is None or (r.best_tps or 0) > r.default_tps):
@@ -400,7 +407,7 @@ def run_tune(s: TuneSettings, callbacks: Sequence = (), log: Callable[[str], Non
                 r.best_tps, r.tau_best = r.default_tps, r.tau_default
                 continue
             r.best_tps, r.tau_best = ev["tuned"]["tokens_per_s"], ev["tuned"]["tau"]
-            same = ev["tuned"]["outputs"] == ev["default"]["outputs"]
+            same = r.outputs_equal = ev["tuned"]["outputs"] == ev["default"]["outputs"]
             if not same and s.dtype == "fp32":
                 r.note = "tuned config changed fp32 greedy outputs on the eval split: rejected"
             elif r.best_tps > r.default_tps:
@@ -459,7 +466,7 @@ def _meta(s: TuneSettings, results: list[BatchResult], tune_p, eval_p, threads, 
             "trials_this_run": r.ran_trials, "best_trial": r.best_trial,
             "default_tokens_per_s": _round(r.default_tps), "tuned_tokens_per_s": _round(r.best_tps),
             "gain": _round(r.gain, 4), "tau_default": _round(r.tau_default), "tau_tuned": _round(r.tau_best),
-            "eval_repeats": r.eval_runs})
+            "eval_repeats": r.eval_runs, "eval_outputs_equal": r.outputs_equal})
     return {
         "tool": "dart-ray tune", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "prompts": str(s.prompts), "num_tune_prompts": len(tune_p), "num_eval_prompts": len(eval_p),

@@ -21,7 +21,15 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--text-tokens", type=int, default=0,
+                   help="also write this many tokens of raw stdlib source as teacher-only training text")
     a = p.parse_args(argv)
+    if a.text_tokens:
+        from dart_ray.training.gen_data import write_text_corpus
+
+        print(f"text rows in {write_text_corpus(a.out, a.text_tokens, a.model, seed=a.seed)}")
+    if a.n_code + a.n_chat == 0:
+        return 0
     out = generate_data(a.out, a.n_code, a.n_chat, a.max_new_tokens, a.batch_size, a.temperature, a.model,
                         a.dtype, seed=a.seed, threads=a.threads)
     print(f"data in {out}")

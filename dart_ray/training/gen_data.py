@@ -77,7 +77,7 @@ def load_sequences(data_dir: str | Path, split: str) -> list[tuple[list[int], in
     """(prompt + response ids, prompt length) for every row of ``split``."""
     import pyarrow.parquet as pq
 
-    files = sorted(Path(data_dir).glob("shard-*.parquet"))
+    files = sorted(Path(data_dir).glob("shard-*.parquet")) + sorted(Path(data_dir).glob("text-*.parquet"))
     if not files:
         raise FileNotFoundError(f"no shard-*.parquet in {data_dir}; run `dart-ray gen-data` first")
     out = []
@@ -87,3 +87,64 @@ def load_sequences(data_dir: str | Path, split: str) -> list[tuple[list[int], in
             if s == split and len(r) >= 2:
                 out.append((list(p) + list(r), len(p)))
     return out
+
+
+def write_text_corpus(out_dir: str | Path, n_tokens: int, model: str | None = None, chunk_len: int = 320,
+                      seed: int = 0, val_frac: float = 0.02) -> Path:
+    """Raw-text training rows (no generation): chunks of Python source from the standard library.
+
+    The drafter is trained against the target's own distributions on every position, so text the
+    target did not write still teaches it (the teacher pass is ~5x cheaper than generating). Chunks
+    that contain the signature of any HumanEval function are dropped. Written as
+    ``text-00000.parquet`` with the same columns as the self-distillation shards (``source=text``,
+    the chunk in ``response_ids``), so ``load_sequences`` reads both.
+    """
+    import random
+    import sysconfig
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dart_ray.models import load_tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dst = out / "text-00000.parquet"
+    if dst.is_file():
+        return dst
+    banned: set[str] = set()
+    try:
+        import re
+
+        from dart_ray.bench.prompts import humaneval_prompts
+
+        for p in humaneval_prompts():
+            banned |= set(re.findall(r"def (\w+)\(", p))
+    except FileNotFoundError:
+        pass
+    tok = load_tokenizer(model)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "idlelib" not in p.parts)
+    random.Random(seed).shuffle(files)
+    recs, total = [], 0
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        for i in range(0, len(ids) - 32, chunk_len):
+            chunk = ids[i:i + chunk_len]
+            body = tok.decode(chunk)
+            if any(f"def {name}(" in body for name in banned):
+                continue
+            recs.append({"prompt": f"{f.name}:{i}", "source": "text", "chat": False, "prompt_ids": [],
+                         "response_ids": chunk, "split": split_of(f"{f.name}:{i}", val_frac)})
+            total += len(chunk)
+        if total >= n_tokens:
+            break
+    table = pa.table({k: [r[k] for r in recs] for k in SCHEMA_COLUMNS})
+    tmp = out / ".text-00000.parquet.tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, dst)
+    return dst
