@@ -43,8 +43,7 @@ def test_build_app_options_and_tp_hook():
     tp = deployment_options(ServeArgs(tensor_parallel_size=2, num_cpus=1))
     assert tp["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
     build_app({"method": "ngram", "num_cpus": 0.1})              # builds without a cluster
-    with pytest.raises(NotImplementedError, match="tensor parallel"):
-        build_app({"tensor_parallel_size": 2})
+    build_app({"tensor_parallel_size": 2, "method": "ngram", "num_cpus": 0.1})  # TP builds too
     with pytest.raises(ValueError, match="unknown keys"):
         build_app({"foo": 1})
 
@@ -195,3 +194,12 @@ def test_engine_errors_map_to_http_statuses():
         e = _engine_error(exc)
         assert (e.status, e.code) == (status, code), exc
         assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_tp_args_checked_at_build_time(tiny_dirs):
+    from deployments.openai_app import build_app
+
+    model = str(tiny_dirs["llama"])            # 2 KV heads: TP=2 splits, TP=3 cannot
+    build_app({"model": model, "method": "ngram", "tensor_parallel_size": 2, "num_cpus": 0.1})
+    with pytest.raises(ValueError):
+        build_app({"model": model, "method": "ngram", "tensor_parallel_size": 3, "num_cpus": 0.1})

@@ -37,6 +37,7 @@ def write_plots(studies: dict, out: Path) -> list[Path]:
     """``<out stem>.history.png`` and ``<out stem>.importance.png``: one panel per batch size."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
     from optuna.trial import TrialState
 
     out = Path(out)
@@ -71,6 +72,7 @@ def write_plots(studies: dict, out: Path) -> list[Path]:
             lo = min([v for _, v in comp + pruned], default=0.0)
             ax.scatter(failed, [lo] * len(failed), marker="x", color="tab:red", label="error", zorder=4)
         ax.set_title(f"batch size {b}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("trial")
         ax.set_ylabel("tokens/s")
         ax.grid(alpha=0.3)

@@ -197,6 +197,13 @@ def _searcher_class():
             if result and result.get("complete") and value is not None:
                 self._tell(trial_id, value, TrialState.COMPLETE)
             elif value is not None and trial_id in self._stopped:
+                # the result ASHA stopped on may not have passed through on_trial_result
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    try:
+                        ot.report(float(value), int(result.get("training_iteration", 1)))
+                    except (ValueError, RuntimeError) as e:
+                        log.debug("report on prune %s: %s", trial_id, e)
                 self._tell(trial_id, None, TrialState.PRUNED)
             else:
                 self._interrupt(trial_id)
