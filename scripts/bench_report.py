@@ -1,0 +1,26 @@
+#!/usr/bin/env python3
+"""Render bench JSONs (from `dart-ray bench --out`) as markdown sections for docs/BENCHMARKS.md."""
+
+import json
+import sys
+from pathlib import Path
+
+from dart_ray.bench.runner import format_table
+
+
+def main(paths: list[str]) -> None:
+    for p in paths:
+        rep = json.loads(Path(p).read_text())
+        c = rep["config"]
+        print(f"### {Path(p).stem}: {c['n_prompts']} prompts, bs {c['batch_size']}, {c['dtype']}, "
+              f"{c['max_new_tokens']} new tokens, {c['threads']} threads, chat={c['chat']}\n")
+        print(format_table(rep))
+        d = rep["methods"].get("dart")
+        if d and d.get("accepted_per_depth"):
+            acc = ", ".join(f"{a:.2f}" for a in d["accepted_per_depth"])
+            print(f"\nDART acceptance rate per tree depth (fraction of steps accepting depth i): {acc}")
+        print()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
