@@ -65,8 +65,12 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
              "## Data",
              "Self-distillation: the target answered an offline prompt corpus (`dart_ray/training/corpus.py`): "
              "function headers + docstrings cut from the Python standard library (code) and instructions from "
-             "templates x topics (chat). HumanEval and the project's chat evaluation set are excluded by exact "
-             "and normalised match. Held-out split by prompt hash.", "",
+             "templates x topics (chat). Plus teacher-only text (`gen-data --text-tokens`): 320-token chunks of "
+             "Python standard-library source, trained against the target's own distributions at every position "
+             "(no generation needed). HumanEval and the project's chat evaluation set are excluded (exact and "
+             "normalised prompt match; text chunks containing any HumanEval function signature are dropped). "
+             "Held-out split by prompt hash.", "",
+             "![training curves](training.png)", "",
              f"- training sequences: {summary['train_seqs']}, held-out: {summary['val_seqs']}",
              f"- optimizer steps: {summary['steps']}; training wall time this run: {summary['train_wall_s'] / 60:.1f} min",
              f"- config: `{json.dumps({k: summary['config'][k] for k in ('depth', 'gamma', 'lr', 'epochs', 'seqs_per_step', 'max_len', 'draft_vocab', 'teacher_topk')})}`",
@@ -85,6 +89,8 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
         c = rep["config"]
         lines += [f"## Measured: `{Path(bj).name}` ({c['n_prompts']} prompts, bs {c['batch_size']}, {c['dtype']}, "
                   f"{c['max_new_tokens']} new tokens)", "", format_table(rep), ""]
+    if (run / "training.png").is_file():
+        shutil.copy(run / "training.png", dest / "training.png")
     (dest / "CARD.md").write_text("\n".join(lines))
     return dest
 
