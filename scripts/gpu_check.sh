@@ -22,6 +22,6 @@ export DART_RAY_TEST_DEVICE=cuda
   --device cuda --max-new-tokens 128 --out "${OUT:-/tmp}/gpu_bench.json" || true
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -gt 1 ]; then
-  "$PY" -m pytest -q tests/test_tp.py -x -k nccl
+  "$PY" scripts/tp_check.py "$NGPU" cuda
 fi
 echo "gpu_check: done"
