@@ -249,12 +249,11 @@ class Engine:
 
         acc = self._accept(tree, out.logits, reqs)                               # path + bonus
         num_committed = (acc.num_accepted + 1).tolist()                          # root + accepted drafts
-        self._commit(tree, acc, out.taps, num_committed, view)
+        path_tokens = self._commit(tree, acc, out.taps, num_committed, view)   # [B][d+1] ids on the path
         t3 = time.perf_counter()
         m.accept_s += t3 - t2
 
         m.steps += 1                                                             # emit
-        path_tokens = torch.gather(tree.tokens, 1, acc.path.clamp(min=0)).tolist()   # [B, d+1]
         bonus = acc.bonus.tolist()
         n_draft = tree.valid.sum(1).sub(1).tolist()
         finished = []
@@ -285,7 +284,8 @@ class Engine:
 
         return accept(tree, logits, [r.params for r in reqs], [r.generator for r in reqs])
 
-    def _commit(self, tree: TokenTree, acc, taps, num_committed: list[int], view: BatchView) -> None:
+    def _commit(self, tree: TokenTree, acc, taps, num_committed: list[int], view: BatchView) -> list[list[int]]:
+        """Keep the accepted paths' KV, record their tokens, feed the drafter; returns the path tokens."""
         B = tree.batch_size
         starts = list(self.cache.lengths[:B])
         self.cache.commit(slice(0, B), acc.path.clamp(min=0), num_committed)
@@ -305,6 +305,7 @@ class Engine:
         elif type(self.drafter).observe is not Drafter.observe:
             view.lengths = self.cache.lengths[:B]
             self.drafter.observe(view, num_committed, None, None)
+        return toks
 
     # ---- emission / stop conditions ---------------------------------------------------------
     def _emit(self, r: Request, new_ids: list[int], outputs: list[RequestOutput]) -> bool:
