@@ -83,7 +83,7 @@ class KVCache:
         B = rows.stop - rows.start
         if len(num) != B or path.shape[0] != B:
             raise ValueError("commit: path/num do not match the rows")
-        path_cpu = path.tolist() if path.device.type != "cpu" else path.tolist()
+        path_cpu = path.tolist()
         for i in range(B):
             r = rows.start + i
             n = num[i]

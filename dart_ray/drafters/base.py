@@ -54,6 +54,10 @@ class Drafter(abc.ABC):
         self.tree_time_s = 0.0
         """Cumulative seconds spent building trees (the rest of propose() counts as drafting)."""
 
+    def max_tree_nodes(self, decoding: DecodingConfig) -> int:
+        """Most draft nodes one ``propose`` may return (the engine reserves that much cache scratch)."""
+        return decoding.tree_budget
+
     def allocate(self, max_batch: int, max_seq_len: int) -> None:
         """Allocate per-row state for up to ``max_batch`` rows (called once by the engine)."""
 
@@ -87,6 +91,9 @@ class NoDrafter(Drafter):
     """Plain autoregressive decoding through the same engine: every tree is just the root."""
 
     name = "none"
+
+    def max_tree_nodes(self, decoding: DecodingConfig) -> int:
+        return 0
 
     def propose(self, view: BatchView) -> TokenTree:
         from dart_ray.tree import empty_tree

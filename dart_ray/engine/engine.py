@@ -19,7 +19,7 @@ import random
 import time
 import uuid
 from collections import deque
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -82,7 +82,7 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "Engine":
+    def from_config(cls, config: EngineConfig) -> Engine:
         """Load target, drafter and N-gram model as the config says (weights load once here)."""
         from dart_ray.drafters import make_drafter
         from dart_ray.models import load_target
@@ -124,7 +124,7 @@ class Engine:
         V = self.target.args.vocab_size
         if min(ids) < 0 or max(ids) >= V:
             raise ValueError(f"prompt token ids must be in [0, {V})")
-        limit = self.max_seq_len - self.decoding.tree_budget - 2
+        limit = self.max_seq_len - self.drafter.max_tree_nodes(self.decoding) - 2
         if len(ids) > limit:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the context allows at most {limit} "
@@ -209,10 +209,9 @@ class Engine:
             r.root = first[i]
             self.running.append(r)
             self.metrics.prompt_tokens += lens[i]
-        if self.drafter.taps or type(self.drafter).prefill is not Drafter.prefill:
-            nxt = torch.cat([tokens[:, 1:], torch.zeros(n, 1, dtype=torch.long, device=dev)], dim=1)
-            nxt[torch.arange(n, device=dev), last.view(n)] = acc.bonus
-            self.drafter.prefill(rows, lens, out.taps, nxt)
+        nxt = torch.cat([tokens[:, 1:], torch.zeros(n, 1, dtype=torch.long, device=dev)], dim=1)  # [n, T]
+        nxt[torch.arange(n, device=dev), last.view(n)] = acc.bonus
+        self.drafter.prefill(rows, lens, out.taps, nxt)
         self.metrics.prefill_s += time.perf_counter() - t0
         now = time.perf_counter()
         finished = []
@@ -287,24 +286,24 @@ class Engine:
     def _commit(self, tree: TokenTree, acc, taps, num_committed: list[int], view: BatchView) -> list[list[int]]:
         """Keep the accepted paths' KV, record their tokens, feed the drafter; returns the path tokens."""
         B = tree.batch_size
+        dev = tree.tokens.device
         starts = list(self.cache.lengths[:B])
-        self.cache.commit(slice(0, B), acc.path.clamp(min=0), num_committed)
-        path_tokens = torch.gather(tree.tokens, 1, acc.path.clamp(min=0))       # [B, d+1]
+        path = acc.path.clamp(min=0)                                             # [B, d+1] node indices
+        self.cache.commit(slice(0, B), path, num_committed)
+        path_tokens = torch.gather(tree.tokens, 1, path)                         # [B, d+1]
         toks = path_tokens.tolist()
         for b in range(B):
             n = num_committed[b]
             self.tokens[b, starts[b]:starts[b] + n] = toks[b][:n]
+        # what follows each committed position: the next accepted draft, then the new root (bonus)
+        A = max(num_committed)
+        nxt = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)[:, :A].clone()       # [B, A]
+        nxt[torch.arange(B, device=dev), torch.tensor(num_committed, device=dev) - 1] = acc.bonus
+        tap_sel = None
         if self.drafter.taps:
-            A = max(num_committed)
-            idx = acc.path[:, :A].clamp(min=0)                                   # [B, A]
-            tap_sel = torch.gather(taps, 1, idx.unsqueeze(-1).expand(-1, -1, taps.shape[-1]))  # [B, A, nT*H]
-            nxt = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)[:, :A].clone()   # [B, A]
-            nxt[torch.arange(B), torch.tensor(num_committed) - 1] = acc.bonus
-            view.lengths = self.cache.lengths[:B]
-            self.drafter.observe(view, num_committed, tap_sel, nxt)
-        elif type(self.drafter).observe is not Drafter.observe:
-            view.lengths = self.cache.lengths[:B]
-            self.drafter.observe(view, num_committed, None, None)
+            tap_sel = torch.gather(taps, 1, path[:, :A, None].expand(-1, -1, taps.shape[-1]))  # [B, A, nT*H]
+        view.lengths = self.cache.lengths[:B]
+        self.drafter.observe(view, num_committed, tap_sel, nxt)
         return toks
 
     # ---- emission / stop conditions ---------------------------------------------------------
@@ -349,7 +348,7 @@ class Engine:
                              num_generated_tokens=len(r.output_ids), stats=r.stats)
 
     def _finish_overflowing(self, decoding: DecodingConfig, outputs: list[RequestOutput]) -> None:
-        need = decoding.tree_budget + 2 if self.drafter.name != "none" else 2
+        need = self.drafter.max_tree_nodes(decoding) + 2  # root + tree scratch + the bonus
         over = [r for r in self.running if self.cache.lengths[r.row] + need > self.max_seq_len]
         for r in over:
             r.finished, r.finish_reason = True, "length"
