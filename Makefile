@@ -42,9 +42,12 @@ test-fast: setup
 artifacts: setup
 	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(RUNS)/sd-data --n-code 1200 --n-chat 400 \
 	  --max-new-tokens 128 --batch-size 16 --threads 2
-	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(RUNS)/sd-data --out $(RUNS)/drafter \
-	  --epochs 2 --seqs-per-step 4 --max-len 320 --threads 2
-	$(BIN)/dart-ray ship --run $(RUNS)/drafter --data $(RUNS)/sd-data --command "make artifacts"
+	# DART and the three baselines (EAGLE-style, Medusa, SpS) on the same batches: equal data and steps
+	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(RUNS)/sd-data --out $(RUNS)/drafters \
+	  --arch dart:8,eagle:6,medusa:4,sps:6 --epochs 1 --seqs-per-step 4 --max-len 320 --threads 2
+	$(BIN)/dart-ray ship --run $(RUNS)/drafters/dart --data $(RUNS)/sd-data --command "make artifacts"
+	for a in eagle medusa sps; do \
+	  $(BIN)/dart-ray ship --run $(RUNS)/drafters/$$a --command "make artifacts" || exit 1; done
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup

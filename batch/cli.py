@@ -20,7 +20,7 @@ from batch.job import BatchJobConfig, run_batch_job
 from batch.store import CorruptPartError, OutputBusyError
 from dart_ray import SamplingParams
 from dart_ray.cli import engine_config_from_args
-from dart_ray.config import DTYPES
+from dart_ray.config import DTYPES, METHODS
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -45,7 +45,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     e = p.add_argument_group("engine (as in `dart-ray generate`)")
     e.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded SmolLM2)")
-    e.add_argument("--method", default="auto", choices=["auto", "dart", "ngram", "none", "ar"],
+    e.add_argument("--method", default="auto", choices=["auto", *METHODS, "ar"],
                    help="auto = dart if a trained drafter is shipped for the model, else ngram")
     e.add_argument("--drafter", default=None, help="DART drafter dir ('random' = untrained)")
     e.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables)")

@@ -11,14 +11,14 @@ Importing this package has no side effects and does not import torch-heavy submo
 beyond what the names below need.
 """
 
-from dart_ray.config import DecodingConfig, EngineConfig, SamplingParams
+from dart_ray.config import METHODS, DecodingConfig, EngineConfig, SamplingParams
 from dart_ray.engine import Completion, Engine, EngineStats, PromptTooLongError, RequestOutput, RequestStats
 from dart_ray.profiles import DecodingSchedule, load_profile, save_profile
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats", "Completion",
+    "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats", "Completion",
     "RequestOutput", "RequestStats", "PromptTooLongError", "DecodingSchedule", "load_profile",
     "save_profile", "__version__",
 ]

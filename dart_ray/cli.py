@@ -10,12 +10,15 @@ import json
 import sys
 import time
 
+from dart_ray.config import METHODS
+
 
 def _add_engine_args(p: argparse.ArgumentParser, default_method: str = "auto") -> None:
     p.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default=default_method, choices=["auto", "dart", "ngram", "none", "ar"],
+    p.add_argument("--method", default=default_method, choices=["auto", *METHODS, "ar"],
                    help="drafting method; auto = dart if a trained drafter is shipped for the model, else ngram")
-    p.add_argument("--drafter", default=None, help="DART drafter dir ('random' = untrained; default: shipped)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter dir for the method ('random' = untrained dart/eagle; default: shipped)")
     p.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables; default: shipped)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--device", default="cpu")
@@ -84,6 +87,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _method_map(items: list[str] | None, flag: str) -> dict[str, str]:
+    """``["eagle=DIR", ...]`` -> ``{"eagle": "DIR"}`` (a clear error for a malformed entry)."""
+    out = {}
+    for it in items or []:
+        m, sep, v = it.partition("=")
+        if not sep or not m or not v:
+            raise SystemExit(f"{flag} takes METHOD=VALUE, got {it!r}")
+        out[m] = v
+    return out
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from dart_ray.bench.prompts import load_prompts
     from dart_ray.bench.runner import format_table, plot_report, run_bench, write_report
@@ -94,9 +108,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from dart_ray.profiles import load_profile
 
         decoding = load_profile(a.profile).for_batch_size(a.batch_size)
+    drafters = _method_map(a.drafter_for, "--drafter-for")
+    decodings = {}
+    for m, prof in _method_map(a.profile_for, "--profile-for").items():
+        from dart_ray.profiles import load_profile
+
+        decodings[m] = load_profile(prof).for_batch_size(a.batch_size)
     report = run_bench(prompts, a.methods.split(","), model=a.model, drafter=a.drafter, ngram=a.ngram,
                        chat=a.chat, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, dtype=a.dtype,
-                       threads=a.threads, decoding=decoding, device=a.device)
+                       threads=a.threads, decoding=decoding, device=a.device, drafters=drafters,
+                       decodings=decodings)
     print(format_table(report))
     if a.out:
         write_report(report, a.out)
@@ -162,13 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="benchmark methods on a prompt file (one process, interleaved, medians)")
     b.add_argument("--prompts", required=True, help=".jsonl/.parquet with a 'prompt' column, or humaneval|chat")
-    b.add_argument("--methods", default="ar,ngram,dart,hf,hf-pld")
+    b.add_argument("--methods", default="ar,ngram,dart,hf,hf-pld",
+                   help="comma list of ar, ngram, sps, medusa, eagle, dart, hf, hf-pld")
     b.add_argument("--chat", action="store_true")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--batch-size", type=int, default=1)
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--out", default=None, help="results JSON")
     b.add_argument("--plot", default=None, help="results PNG")
+    b.add_argument("--drafter-for", action="append", metavar="METHOD=DIR",
+                   help="drafter directory of one method (repeatable; default: shipped)")
+    b.add_argument("--profile-for", action="append", metavar="METHOD=PROFILE",
+                   help="decoding profile of one method (repeatable; default: --profile, else defaults)")
     _add_engine_args(b, default_method="auto")
     b.set_defaults(func=cmd_bench)
     pr = sub.add_parser("prompts", help="export a prompt set (humaneval|chat|FILE) to .jsonl")

@@ -19,10 +19,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
-Method = Literal["dart", "ngram", "none"]
+Method = Literal["dart", "eagle", "medusa", "sps", "ngram", "none"]
 DType = Literal["fp32", "bf16", "fp16"]
 
-METHODS: tuple[str, ...] = ("dart", "ngram", "none")
+METHODS: tuple[str, ...] = ("dart", "eagle", "medusa", "sps", "ngram", "none")
+"""Drafting methods: ``dart`` (the product), the trained baselines ``eagle`` (autoregressive
+tapped-feature drafter), ``medusa`` (heads) and ``sps`` (draft model), ``ngram`` (no model) and
+``none`` (plain autoregressive decoding through the same engine)."""
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
@@ -149,11 +152,12 @@ class EngineConfig:
     """HF model directory, ``.gguf`` file, or None for the embedded SmolLM2-135M-Instruct."""
 
     method: Method = "dart"
-    """Drafting method: ``dart`` (trained drafter + N-gram tree), ``ngram`` (no model), ``none`` (AR)."""
+    """Drafting method, one of METHODS: ``dart`` (trained drafter + N-gram tree), ``eagle``, ``medusa``,
+    ``sps`` (trained baselines), ``ngram`` (no model), ``none`` (AR)."""
 
     drafter: str | None = None
-    """DART drafter directory (safetensors + JSON). None = the shipped default for the default model;
-    ``"random"`` = an untrained drafter (tests and time-split measurements only)."""
+    """Drafter directory for the method (safetensors + JSON). None = the shipped default for the
+    default model; ``"random"`` = an untrained dart/eagle drafter (tests and time splits only)."""
 
     ngram: str | None = None
     """N-gram model directory. None = the shipped default for the default model (if any)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dart_ray import METHODS
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dart-ray serve",
@@ -17,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance")
     g = p.add_argument_group("overrides of every application's args")
     g.add_argument("--model", default=None, help="HF model dir or .gguf ('default' = embedded SmolLM2)")
-    g.add_argument("--method", choices=("dart", "ngram", "none"), default=None)
+    g.add_argument("--method", choices=METHODS, default=None)
     g.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None)
     g.add_argument("--drafter", default=None)
     g.add_argument("--ngram", default=None)

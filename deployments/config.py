@@ -34,7 +34,7 @@ class ServeArgs:
     model: str | None = None
     """HF model directory, ``.gguf`` file, or None for the embedded SmolLM2-135M-Instruct."""
     method: str = "dart"
-    """Drafting method of the main engine: ``dart``, ``ngram`` or ``none``."""
+    """Drafting method of the main engine: one of ``dart_ray.METHODS`` (dart, eagle, medusa, sps, ngram, none)."""
     drafter: str | None = None
     """DART drafter directory; None = shipped default; ``"random"`` = untrained (tests)."""
     ngram: str | None = None

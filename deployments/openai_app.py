@@ -12,7 +12,7 @@ One deployment, ``DartRayServer``: a FastAPI ingress whose replica loads the eng
     GET  /health                                    (no API key needed)
     GET  /metrics                                   (Prometheus text, vLLM-compatible names)
 
-Per-request ``"speculative": false`` (or ``{"method": "none"|"ngram"|"dart"}``) runs the request
+Per-request ``"speculative": false`` (or ``{"method": <one of dart_ray.METHODS>}``) runs the request
 on another engine *lane* sharing the target weights, built on first use on the same engine thread.
 """
 
@@ -126,7 +126,9 @@ def lane_factory(method: str) -> Callable[[Engine], Engine]:
     def build(main: Engine) -> Engine:
         from dart_ray.drafters import make_drafter
 
-        cfg = main.config.replace(method=method)
+        # the main engine's drafter path belongs to its method; another method uses its shipped default
+        keep = main.config.drafter == "random" and method in ("dart", "eagle")
+        cfg = main.config.replace(method=method, drafter=main.config.drafter if keep else None)
         engine = Engine(main.target, make_drafter(cfg, main.target), cfg)
         engine.set_decoding(main.decoding)
         return engine

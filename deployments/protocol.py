@@ -9,7 +9,7 @@ Supported: ``/v1/completions`` (prompt: string, token ids, or a one-element list
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k`` (vLLM extra), ``seed``, ``stop``
 (string or list), ``stop_token_ids`` / ``ignore_eos`` (vLLM extras), ``stream`` with
 ``stream_options.include_usage``, ``n`` = 1 only, and the extra ``speculative`` field
-(``true``/``false``/``{"method": "dart"|"ngram"|"none"}``). Parameters that would change the output
+(``true``/``false``/``{"method": <one of dart_ray.METHODS>}``). Parameters that would change the output
 in ways the engine cannot honour (logprobs, echo, suffix, penalties, logit_bias, tools, json mode,
 n > 1, best_of > 1) are rejected with 400 rather than silently ignored.
 """
@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("dart", "ngram", "none")
+from dart_ray import METHODS
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -66,7 +66,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
-    speculative: str | None = None  # None: the server's method; else "dart" | "ngram" | "none"
+    speculative: str | None = None  # None: the server's method; else one of dart_ray.METHODS
     user: str | None = None
     extra: dict = field(default_factory=dict)
 

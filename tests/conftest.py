@@ -83,3 +83,41 @@ def smollm_fp32(smollm_dir):
     from dart_ray.models import load_target
 
     return load_target(str(smollm_dir), "fp32", max_seq_len=1024)
+
+
+def save_random_baselines(target, root: Path, seed: int = 0, draft_vocab: int = 4096) -> dict[str, Path]:
+    """Random-weight EAGLE / Medusa / SpS drafters for ``target`` (a LoadedTarget), saved under
+    ``root``: method -> directory. Used by the exactness tests (any drafter must be lossless)."""
+    import torch
+
+    from dart_ray.drafters.dart_model import DartConfig, DartModel
+    from dart_ray.drafters.medusa_model import MedusaConfig, MedusaModel
+    from dart_ray.drafters.sps_model import SpsConfig, SpsModel
+
+    g = torch.Generator().manual_seed(seed)
+    args, mid = target.args, target.model_id
+    d2t = torch.randperm(args.vocab_size, generator=g)[:draft_vocab].sort().values
+    eagle = DartModel(DartConfig.for_target(args, mid, depth=4, arch="eagle", draft_vocab=draft_vocab,
+                                            tie_head=False)).init_random(seed)
+    eagle.d2t.copy_(d2t)
+    medusa = MedusaModel(MedusaConfig.for_target(args, mid, depth=4, draft_vocab=draft_vocab))
+    medusa.init_from_target(target.model, d2t)
+    sps = SpsModel(SpsConfig.for_target(args, mid, num_layers=1, init_layers=(0,), draft_vocab=draft_vocab,
+                                        max_depth=5)).init_from_target(target.model, d2t)
+    with torch.no_grad():
+        for blk in medusa.blocks:
+            blk.weight.normal_(0, 0.05, generator=g)
+    out = {}
+    for name, model in (("eagle", eagle), ("medusa", medusa), ("sps", sps)):
+        model.save(root / name)
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_baselines(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
+    """Random EAGLE / Medusa / SpS drafters for the tiny llama target."""
+    from dart_ray.models import load_target
+
+    target = load_target(str(tiny_dirs["llama"]), "fp32", max_seq_len=512)
+    return save_random_baselines(target, tmp_path_factory.mktemp("baselines"))

@@ -534,3 +534,80 @@ def test_reference_sampler_correct_rule_passes():
     """The same reference loop with the correct rule passes (controls fail for the rule only)."""
     pvals = check_lossless(_reference_sampler("correct"), 1.0, 0, 1.0, seed=77, n_rows=4000)
     assert min(pvals) > 1e-3, pvals
+
+
+# --- sampled drafts (SpS): accept x ~ q w.p. min(1, p/q), residual max(p - q, 0) ---------------
+
+GAMMA = 3
+
+
+def _toy_q(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A draft distribution [SV] at ``prefix`` that differs from the target's (and misses token 5)."""
+    seed = int.from_bytes(hashlib.sha256(repr(("q",) + prefix).encode()).digest()[:4], "little")
+    g = torch.Generator().manual_seed(seed)
+    logits = _toy(prefix)[0].double() * 0.5 + torch.randn(SV, generator=g, dtype=torch.float64)
+    logits[5] = -math.inf
+    return torch.softmax(logits, -1).float()
+
+
+def emit_sps(n_rows: int, temperature: float, top_k: int, top_p: float, seed: int,
+             q_seen: Callable[[torch.Tensor], torch.Tensor] = lambda q: q) -> list[tuple[int, ...]]:
+    """Rows draw a chain of GAMMA tokens from q and verify it with sample_accept; ``q_seen`` is the
+    q handed to the acceptance rule (identity for the real rule)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[list[int]] = [[] for _ in range(n_rows)]
+    while True:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r, toks in enumerate(out):
+            if len(toks) < N_TOKENS:
+                groups.setdefault(ROOT_PREFIX + tuple(toks), []).append(r)
+        if not groups:
+            return [tuple(t[:N_TOKENS]) for t in out]
+        for prefix, rows in groups.items():
+            B = len(rows)
+            chains = torch.zeros(B, GAMMA, dtype=torch.long)
+            q = torch.zeros(B, GAMMA + 1, SV)
+            logits = torch.zeros(B, GAMMA + 1, SV)
+            for i, r in enumerate(rows):
+                pre = prefix
+                logits[i, 0] = _toy(pre)[0]
+                for j in range(GAMMA):
+                    qj = _toy_q(pre)
+                    x = int(torch.multinomial(qj, 1, generator=gen))
+                    chains[i, j], q[i, j + 1] = x, q_seen(qj)
+                    pre = pre + (x,)
+                    logits[i, j + 1] = _toy(pre)[0]
+            base = chain_tree(torch.full((B,), prefix[-1]), chains)
+            tree = TokenTree(base.tokens, base.parents, base.depths, base.valid, q)
+            acc = sample_accept(tree, logits, temperature, top_k, top_p, [gen] * B)
+            for r, toks in zip(rows, acc.emitted(tree)):
+                out[r].extend(toks)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", CONFIGS)
+def test_sampled_chain_drafts_are_lossless(temperature, top_k, top_p):
+    seqs = emit_sps(12000, temperature, top_k, top_p, seed=77)
+    joint = exact_joint(N_TOKENS, temperature, top_k, top_p)
+    for n in range(1, N_TOKENS + 1):
+        marg: dict[tuple[int, ...], float] = {}
+        for k, pr in joint.items():
+            marg[k[:n]] = marg.get(k[:n], 0.0) + pr
+        assert chi2_pvalue([s[:n] for s in seqs], marg) > 1e-3, n
+
+
+def test_sampled_chain_wrong_q_fails():
+    """Negative control: handing the rule a q other than the one the drafts came from is caught."""
+    uniform = lambda q: torch.full_like(q, 1.0 / SV)  # noqa: E731
+    seqs = emit_sps(12000, 1.0, 0, 1.0, seed=78, q_seen=uniform)
+    joint = exact_joint(N_TOKENS, 1.0, 0, 1.0)
+    marg: dict[tuple[int, ...], float] = {}
+    for k, pr in joint.items():
+        marg[k[:2]] = marg.get(k[:2], 0.0) + pr
+    assert chi2_pvalue([s[:2] for s in seqs], marg) < 1e-6
+
+
+def test_sampled_drafts_need_a_chain():
+    tree = make_tree(0, [(0, 1), (0, 2)])
+    tree = TokenTree(tree.tokens, tree.parents, tree.depths, tree.valid, torch.full((1, 3, SV), 1.0 / SV))
+    with pytest.raises(ValueError, match="chain"):
+        sample_accept(tree, torch.zeros(1, 3, SV), 1.0, 0, 1.0, [None])

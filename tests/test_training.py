@@ -97,3 +97,169 @@ def test_tiny_end_to_end_with_resume(tmp_path, tiny_dirs):
     assert (tmp_path / "run" / "training.png").stat().st_size > 0
     ev = json.loads((tmp_path / "run" / "train_summary.json").read_text())["final_eval"]
     assert len(ev["top1"]) == 3 and ev["chain_tau"] >= 1.0
+
+
+@pytest.mark.parametrize("arch", ["eagle", "medusa", "sps"])
+def test_tiny_training_every_arch(tmp_path, tiny_dirs, arch):
+    """Each baseline architecture trains through the same pipeline, its loss goes down on a
+    repeated batch, and the saved artifact loads as that architecture."""
+    from dart_ray.training.gen_data import generate_data
+    from dart_ray.training.trainer import TrainConfig, train
+
+    corpus = [{"prompt": f"def g{i}(x):\n    \"\"\"Return x times {i}.\"\"\"\n", "source": "code", "chat": False}
+              for i in range(8)]
+    data = generate_data(tmp_path / "data", model=str(tiny_dirs["llama"]), dtype="fp32", method="none",
+                         max_new_tokens=12, batch_size=4, shard_size=8, corpus=corpus, progress=False)
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / arch), model=str(tiny_dirs["llama"]), arch=arch, depth=3,
+                      max_steps=12, seqs_per_step=4, max_len=48, draft_vocab=256, eval_every=100, ckpt_every=100,
+                      eval_seqs=2, lr=3e-3, warmup_steps=1, epochs=100)
+    summary = train(cfg, progress=False)
+    hist = json.loads((tmp_path / arch / "train_summary.json").read_text())
+    assert summary["steps"] == 12 and hist["config"]["arch"] == arch
+    ev = summary["final_eval"]
+    assert len(ev["top1"]) == (1 if arch == "sps" else 3) and ev["chain_tau"] >= 1.0
+    losses = summary["losses"]
+    assert losses[-1] < losses[0], losses
+    files = {p.name for p in (tmp_path / arch / "drafter").iterdir()}
+    assert f"{'dart' if arch == 'eagle' else arch}_config.json" in files
+
+
+def _random_eagle(tiny, depth=4, draft_vocab=512):
+    args = tiny.args
+    cfg = DartConfig.for_target(args, tiny.model_id, depth=depth, arch="eagle", draft_vocab=draft_vocab,
+                                tie_head=False)
+    model = DartModel(cfg).init_random(5)
+    model.d2t.copy_(torch.randperm(args.vocab_size)[:draft_vocab].sort().values)
+    return model.eval()
+
+
+def test_eagle_train_forward_matches_inference(tiny):
+    """The unrolled training forward equals the drafter run autoregressively along the true tokens,
+    level by level, for several prefixes (context cache + scratch ancestors + positions)."""
+    from dart_ray.drafters.eagle import EagleDrafter
+    from dart_ray.training.trainer import eagle_train_forward
+
+    torch.manual_seed(1)
+    model = _random_eagle(tiny)
+    L, d = 16, model.cfg.depth
+    tokens = torch.randint(0, tiny.args.vocab_size, (1, L))
+    cache = tiny.model.new_cache(1, 64)
+    taps, _, _ = teacher_pass(tiny.model, cache, tokens, [L], model.cfg.tap_layers, 4)
+    with torch.no_grad():
+        train_logp = torch.log_softmax(eagle_train_forward(model, tiny.model.embed, taps, tokens), -1)  # [1, L-1, d, Vd]
+    drafter = EagleDrafter(model, tiny.model.embed, tiny.model.lm_head.weight)
+    drafter.allocate(1, 64)
+    for j in (0, 4, L - 1 - d):
+        drafter.prefill(slice(0, 1), [j + 1], taps[:, :j + 1], tokens[:, 1:j + 2])
+        with torch.inference_mode():
+            feat = drafter._context_forward(1)[:, None]                             # [1, 1, H]
+            lens = torch.tensor(drafter.cache.lengths[:1])
+            got = [drafter._logp(feat[:, 0])]
+            vis = torch.zeros(1, 1, 0, dtype=torch.bool)
+            for m in range(1, d):
+                vis = torch.cat([vis, torch.ones(1, 1, 1, dtype=torch.bool)], dim=-1)  # chain: every slot is an ancestor
+                feat = drafter.expand(tokens[:, j + 1 + m, None], feat, vis, lens, m)
+                got.append(drafter._logp(feat[:, 0]))
+        torch.testing.assert_close(torch.stack(got, 1)[0], train_logp[0, j], atol=2e-4, rtol=1e-4)
+
+
+def test_eagle_tree_is_prefix_closed_and_within_budget(tiny):
+    from dart_ray.config import DecodingConfig
+    from dart_ray.drafters.base import BatchView
+    from dart_ray.drafters.eagle import EagleDrafter
+
+    model = _random_eagle(tiny)
+    drafter = EagleDrafter(model, tiny.model.embed, tiny.model.lm_head.weight)
+    drafter.allocate(2, 64)
+    tokens = torch.randint(0, tiny.args.vocab_size, (2, 12))
+    cache = tiny.model.new_cache(2, 64)
+    taps, _, _ = teacher_pass(tiny.model, cache, tokens, [12, 12], model.cfg.tap_layers, 4)
+    drafter.prefill(slice(0, 2), [9, 11], taps, tokens[:, 1:])
+    dec = DecodingConfig(chunk_len=4, top_k=5, beam_width=3, tree_budget=20)
+    view = BatchView(roots=tokens[:, 0], lengths=[9, 11], tokens=tokens.numpy(), decoding=dec)
+    tree = drafter.propose(view)
+    tree.validate()
+    assert tree.num_nodes - 1 == 20 and 2 <= int(tree.depths.max()) <= 4
+    assert bool(tree.valid[:, 1:].all())
+
+
+def test_medusa_and_sps_train_forward_match_inference(tiny):
+    from dart_ray.drafters.medusa import MedusaDrafter
+    from dart_ray.drafters.medusa_model import MedusaConfig, MedusaModel
+    from dart_ray.drafters.sps import SpsDrafter
+    from dart_ray.drafters.sps_model import SpsConfig, SpsModel
+    from dart_ray.training.trainer import medusa_train_forward, sps_train_forward
+
+    args = tiny.args
+    d2t = torch.randperm(args.vocab_size)[:512].sort().values
+    medusa = MedusaModel(MedusaConfig.for_target(args, tiny.model_id, depth=3, draft_vocab=512))
+    medusa.init_from_target(tiny.model, d2t)
+    with torch.no_grad():
+        for blk in medusa.blocks:
+            blk.weight.normal_(0, 0.1)
+    medusa.eval()
+    L = 12
+    tokens = torch.randint(0, args.vocab_size, (1, L))
+    cache = tiny.model.new_cache(1, 64)
+    fin, _, _ = teacher_pass(tiny.model, cache, tokens, [L], medusa.cfg.tap_layers, 4)
+    with torch.no_grad():
+        ref = medusa_train_forward(medusa, fin)                                      # [1, L-1, 3, Vd]
+    md = MedusaDrafter(medusa)
+    md.allocate(1, 64)
+    md.prefill(slice(0, 1), [7], fin, tokens[:, 1:])
+    torch.testing.assert_close(md.draft_logits(1, 3)[0][:, d2t], ref[0, 6])
+    # SpS: the cached chain (catch-up chunk, then one token at a time) equals the training forward
+    sps = SpsModel(SpsConfig.for_target(args, tiny.model_id, num_layers=2, init_layers=(1, 3), draft_vocab=512,
+                                        max_depth=4)).init_from_target(tiny.model, d2t).eval()
+    with torch.no_grad():
+        ref = sps_train_forward(sps, tiny.model.embed, tokens, tiny.model.lm_head.weight[d2t])  # [1, L-1, 1, Vd]
+    sd = SpsDrafter(sps, tiny.model.embed, tiny.model.lm_head.weight)
+    sd.allocate(1, 64)
+    sd.prefill(slice(0, 1), [5], None, None)
+    with torch.inference_mode():
+        pos = torch.arange(6)[None]
+        from dart_ray.masks import attention_mask, causal_ancestors
+        lg = sd._logits(tokens[:, :6], pos, attention_mask([0], causal_ancestors(6), 6, torch.float32), [0], 1)
+        sd.cache.commit_all(slice(0, 1), [6])
+        nxt = sd._logits(tokens[:, 6:7], torch.tensor([[6]]), None, [6], 1)
+    torch.testing.assert_close(lg[0, 1:6], ref[0, :5, 0], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(nxt[0, 0], ref[0, 5, 0], atol=2e-4, rtol=1e-4)
+
+
+def test_joint_training_shares_batches_and_resumes(tmp_path, tiny_dirs):
+    """Several archs in one run: one teacher pass per batch, equal steps, per-arch outputs, resume."""
+    from dart_ray.training.gen_data import generate_data
+    from dart_ray.training.trainer import TrainConfig, train
+
+    corpus = [{"prompt": f"def h{i}(x):\n    \"\"\"Return x minus {i}.\"\"\"\n", "source": "code", "chat": False}
+              for i in range(8)]
+    data = generate_data(tmp_path / "data", model=str(tiny_dirs["llama"]), dtype="fp32", method="none",
+                         max_new_tokens=10, batch_size=4, shard_size=8, corpus=corpus, progress=False)
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), model=str(tiny_dirs["llama"]), arch="dart",
+                      joint=("eagle:2", "medusa", "sps:4"), depth=3, max_steps=2, seqs_per_step=2, max_len=40,
+                      draft_vocab=256, eval_every=100, ckpt_every=1, eval_seqs=2)
+    s = train(cfg, progress=False)
+    assert s["arch"] == "dart" and s["steps"] == 2 and sorted(s["joint_with"]) == ["eagle", "medusa", "sps"]
+    for arch in ("dart", "eagle", "medusa", "sps"):
+        summ = json.loads((tmp_path / "run" / arch / "train_summary.json").read_text())
+        assert summ["steps"] == 2 and summ["train_wall_s"] > 0
+    s2 = train(TrainConfig(**{**cfg.__dict__, "max_steps": 3}), progress=False)
+    assert s2["steps"] == 3 and len(s2["losses"]) == 3
+    assert json.loads((tmp_path / "run" / "eagle" / "train_summary.json").read_text())["config"]["depth"] == 2
+
+
+def test_ship_baseline_writes_card_and_checks_size(tmp_path, tiny):
+    from dart_ray.drafters.medusa_model import MedusaConfig, MedusaModel
+    from dart_ray.training.ship import ship
+
+    run = tmp_path / "run"
+    MedusaModel(MedusaConfig.for_target(tiny.args, tiny.model_id, depth=2, draft_vocab=64)).save(run / "drafter")
+    ev = {"top1": [0.5, 0.25], "top5": [0.75, 0.5], "chain_tau": 1.6, "n_prefixes": 10}
+    (run / "train_summary.json").write_text(json.dumps({
+        "arch": "medusa", "steps": 3, "train_seqs": 8, "val_seqs": 2, "train_wall_s": 60.0,
+        "joint_with": ["dart"], "final_eval": ev, "config": {"arch": "medusa", "depth": 2, "draft_vocab": 64}}))
+    dest = ship(run, None, "tiny-model", "make artifacts", dest_root=tmp_path / "artifacts")
+    card = (dest / "medusa" / "CARD.md").read_text()
+    assert "Medusa heads" in card and "1.60" in card and "jointly with dart" in card
+    assert MedusaModel.load(dest / "medusa").cfg.depth == 2
+    assert not (dest / "CARD.md").exists()  # the DART card is not touched by a baseline

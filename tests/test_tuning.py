@@ -44,7 +44,8 @@ def prompts_file(tmp_path_factory):
 
 # ---- search space ---------------------------------------------------------------------------
 @pytest.mark.parametrize("method,depth,has_ngram", [("dart", 8, True), ("dart", 8, False), ("dart", 3, True),
-                                                    ("dart", 1, False), ("ngram", 32, True), ("ngram", 32, False)])
+                                                    ("dart", 1, False), ("ngram", 32, True), ("ngram", 32, False),
+                                                    ("medusa", 4, True), ("eagle", 6, False), ("sps", 6, False)])
 def test_space_points_are_valid_configs(method, depth, has_ngram):
     import optuna
 
@@ -53,13 +54,19 @@ def test_space_points_are_valid_configs(method, depth, has_ngram):
     space = SearchSpace.for_drafter(method, depth, has_ngram)
     default = space.default_point()
     assert space.contains(default)
-    assert space.to_config(default) == DecodingConfig().replace(chunk_len=min(8, depth))  # defaults kept
+    base = DecodingConfig().replace(chunk_len=min(8, depth))
+    if method == "eagle":  # its caps (top_k, beam_width <= 16) clip the defaults
+        base = base.replace(top_k=16, beam_width=16)
+    assert space.to_config(default) == base  # defaults kept
     chunk = next(p for p in space.params if p.name == "chunk_len")
     assert chunk.high <= depth
     if not has_ngram:
         assert "ngram_weight" not in space.names and "ngram_min_count" not in space.names
-    if method == "ngram":
-        assert "top_k" not in space.names and "logit_weight_base" not in space.names
+    if method in ("ngram", "sps", "eagle"):
+        assert "top_k" in space.names or method != "eagle"
+        assert "logit_weight_base" not in space.names
+    if method == "sps":
+        assert space.names == ["chunk_len"]
     rng = random.Random(0)
     points = [space.sample(rng) for _ in range(300)]
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dart_ray import METHODS
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -29,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", default=None, help="Ray Tune storage path (default <out dir>/tune_results)")
     e = p.add_argument_group("engine")
     e.add_argument("--model", default=None, help="HF model dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    e.add_argument("--method", default="dart", choices=["dart", "ngram"])
-    e.add_argument("--drafter", default=None, help="DART drafter dir ('random' = untrained; default: shipped)")
+    e.add_argument("--method", default="dart", choices=[m for m in METHODS if m != "none"])
+    e.add_argument("--drafter", default=None, help="drafter dir for the method ('random' = untrained; default: shipped)")
     e.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables; default: shipped)")
     e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     e.add_argument("--device", default="cpu")

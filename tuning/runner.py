@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dart_ray import (
+    METHODS,
     DecodingConfig,
     DecodingSchedule,
     Engine,
@@ -40,6 +41,7 @@ from tuning.objective import TrialJob, stream_batched
 from tuning.space import SearchSpace
 
 MAX_BATCH_BOUND = 1024
+TUNABLE_METHODS = tuple(m for m in METHODS if m != "none")
 EVAL_RESERVE = 0.2
 """Share of the time budget kept for the held-out evaluation."""
 
@@ -93,8 +95,8 @@ class TuneSettings:
             raise ValueError(f"batch sizes must be in [1, {MAX_BATCH_BOUND}], got {self.batch_sizes}")
         if self.trials < 1:
             raise ValueError("trials must be >= 1")
-        if self.method not in ("dart", "ngram"):
-            raise ValueError(f"method must be dart or ngram (AR has no knobs), got {self.method!r}")
+        if self.method not in TUNABLE_METHODS:
+            raise ValueError(f"method must be one of {TUNABLE_METHODS} (AR has no knobs), got {self.method!r}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError("time budget must be > 0 seconds")
         if not 0.0 <= self.eval_fraction < 1.0:

@@ -88,7 +88,7 @@ class SearchSpace:
     @classmethod
     def for_drafter(cls, method: str, max_depth: int, has_ngram: bool = True,
                     base: DecodingConfig | None = None) -> SearchSpace:
-        """The default space for ``method`` ("dart" or "ngram") and a drafter of ``max_depth``."""
+        """The default space for ``method`` (dart, eagle, medusa, sps or ngram) and a drafter of ``max_depth``."""
         base = base or DecodingConfig()
         if max_depth < 1:
             raise ValueError(f"drafter max_depth must be >= 1, got {max_depth} (method 'none' has nothing to tune)")
@@ -97,7 +97,7 @@ class SearchSpace:
         chunk = Param("chunk_len", "int", d_lo, d_hi, help="draft depth used (<= trained depth)")
         budget = Param("tree_budget", "int", 4, 128, log=True, help="draft nodes per tree")
         min_count = Param("ngram_min_count", "int", 1, 8, log=True, help="N-gram count threshold")
-        if method == "dart":
+        if method in ("dart", "medusa", "eagle"):
             ps = [chunk,
                   Param("top_k", "int", 2, 64, log=True, help="candidates per level"),
                   Param("beam_width", "int", 1, 48, log=True, help="beams kept per level (tree width)"),
@@ -106,6 +106,11 @@ class SearchSpace:
                 ps += [Param("ngram_weight", "float", 0.0, 1.5, help="weight of ln p_ngram"), min_count]
             ps += [Param("level_weight_exp", "float", 0.0, 1.5, help="level weight (l+1)^-a"),
                    Param("logit_weight_base", "float", 0.5, 1.0, help="draft-logit weight b^l")]
+            if method == "eagle":  # no N-gram term and no level weighting: cumulative draft confidence only
+                ps = [chunk, Param("top_k", "int", 2, 16, log=True, help="children per expanded node"),
+                      Param("beam_width", "int", 1, 16, log=True, help="nodes expanded per level"), budget]
+        elif method == "sps":
+            ps = [Param("chunk_len", "int", 1, d_hi, help="draft chain length (gamma)")]
         elif method == "ngram":
             ps = [chunk, Param("beam_width", "int", 1, 32, log=True, help="continuations kept"), budget]
             if has_ngram:

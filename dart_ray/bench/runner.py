@@ -19,7 +19,7 @@ import torch
 
 from dart_ray.config import DecodingConfig, EngineConfig, SamplingParams
 
-OWN = {"ar": "none", "ngram": "ngram", "dart": "dart"}
+OWN = {"ar": "none", "ngram": "ngram", "sps": "sps", "medusa": "medusa", "eagle": "eagle", "dart": "dart"}
 HF = ("hf", "hf-pld")
 ALL_METHODS = tuple(OWN) + HF
 
@@ -64,7 +64,14 @@ def _hf_generate(hf, tok, prompt_ids: list[list[int]], max_new: int, pld: bool, 
 def run_bench(prompts: list[str], methods: list[str], *, model: str | None = None, drafter: str | None = None,
               ngram: str | None = None, chat: bool = False, max_new_tokens: int = 128, batch_size: int = 1,
               dtype: str = "bf16", threads: int | None = None, decoding: DecodingConfig | None = None,
-              warmup: int = 1, progress: bool = True, device: str = "cpu") -> dict:
+              warmup: int = 1, progress: bool = True, device: str = "cpu",
+              drafters: dict[str, str] | None = None, decodings: dict[str, DecodingConfig] | None = None) -> dict:
+    """Interleaved, same-process benchmark of ``methods`` on ``prompts`` (medians over batches).
+
+    ``drafter`` is the DART drafter; ``drafters`` maps other methods to their drafter directories
+    (default: shipped). ``decoding`` applies to every own-engine method unless ``decodings`` gives
+    a method its own (e.g. a per-method tuned profile).
+    """
     from dart_ray.drafters import make_drafter
     from dart_ray.engine import Engine
     from dart_ray.engine.engine import encode_prompt
@@ -82,8 +89,10 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     engines = {}
     for m in methods:
         if m in OWN:
-            cfg = EngineConfig(model=model, method=OWN[m], drafter=drafter, ngram=ngram, dtype=dtype,
-                               device=device, max_batch_size=batch_size, max_seq_len=2048, decoding=decoding)
+            d = (drafters or {}).get(m, drafter if m == "dart" else None)
+            cfg = EngineConfig(model=model, method=OWN[m], drafter=d, ngram=ngram, dtype=dtype, device=device,
+                               max_batch_size=batch_size, max_seq_len=2048,
+                               decoding=(decodings or {}).get(m, decoding))
             engines[m] = Engine(target, make_drafter(cfg, target), cfg)
     hf = None
     if any(m in HF for m in methods):
@@ -124,7 +133,9 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
             res[m].outputs.extend(outs)
     report = {"config": {"n_prompts": len(prompts), "methods": methods, "chat": chat, "batch_size": batch_size,
                          "max_new_tokens": max_new_tokens, "dtype": dtype, "threads": torch.get_num_threads(),
-                         "model": model or "default", "drafter": drafter, "device": device, "decoding": decoding.to_dict()},
+                         "model": model or "default", "drafter": drafter, "device": device, "decoding": decoding.to_dict(),
+                         "drafters": drafters or {},
+                         "decodings": {m: d.to_dict() for m, d in (decodings or {}).items()}},
               "methods": {}}
     ar_out = res["ar"].outputs if "ar" in res else None
     for m in methods:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from dart_ray.drafters.base import BatchView, Drafter, NoDrafter
 
-__all__ = ["BatchView", "Drafter", "NoDrafter", "make_drafter", "default_artifact_dir"]
+__all__ = ["ARTIFACT_NAMES", "BatchView", "Drafter", "NoDrafter", "make_drafter", "default_artifact_dir"]
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
@@ -27,33 +27,64 @@ def _load_ngram(config, target):
     return NGramModel.load(path)
 
 
+ARTIFACT_NAMES = {"dart": "drafter", "eagle": "eagle", "medusa": "medusa", "sps": "sps"}
+"""Subdirectory of ``dart_ray/artifacts/<model_id>/`` holding each method's shipped weights."""
+
+_CONFIG_FILES = {"dart": "dart_config.json", "eagle": "dart_config.json", "medusa": "medusa_config.json",
+                 "sps": "sps_config.json"}
+
+
+def _drafter_dir(config, target) -> Path:
+    path = Path(config.drafter) if config.drafter else \
+        default_artifact_dir(target.model_id) / ARTIFACT_NAMES[config.method]
+    if not (path / _CONFIG_FILES[config.method]).is_file():
+        raise FileNotFoundError(
+            f"no {config.method} drafter at {path}; train one with `dart-ray train-drafter --arch "
+            f"{config.method}`, pass drafter=PATH" + (", or drafter='random' for an untrained drafter"
+                                                      if config.method in ("dart", "eagle") else ""))
+    return path
+
+
 def make_drafter(config, target) -> Drafter:
     """Build the drafter that ``config.method`` names for ``target`` (a LoadedTarget)."""
-    import torch
-
     from dart_ray.models.loading import torch_dtype
 
     if config.method == "none":
         return NoDrafter()
-    ngram = _load_ngram(config, target)
+    dtype = torch_dtype(config.dtype)
+    head = target.model.lm_head.weight
     if config.method == "ngram":
         from dart_ray.drafters.ngram import NGramDrafter
-        return NGramDrafter(ngram)
-    if config.method == "dart":
+        return NGramDrafter(_load_ngram(config, target))
+    if config.method in ("dart", "eagle"):
         from dart_ray.drafters.dart import DartDrafter
         from dart_ray.drafters.dart_model import DartConfig, DartModel
+        from dart_ray.drafters.eagle import EagleDrafter
 
-        dtype = torch_dtype(config.dtype)
         if config.drafter == "random":
-            model = DartModel(DartConfig.for_target(target.args, target.model_id)).init_random(config.seed)
+            cfg = DartConfig.for_target(target.args, target.model_id, arch=config.method)
+            model = DartModel(cfg).init_random(config.seed)
             model = model.to(device=config.device, dtype=dtype).eval().requires_grad_(False)
         else:
-            path = Path(config.drafter) if config.drafter else default_artifact_dir(target.model_id) / "drafter"
-            if not (path / "dart_config.json").is_file():
-                raise FileNotFoundError(
-                    f"no DART drafter at {path}; train one with `dart-ray train-drafter`, pass "
-                    "drafter=PATH, or drafter='random' for an untrained drafter")
-            model = DartModel.load(path, dtype=dtype, device=config.device)
+            model = DartModel.load(_drafter_dir(config, target), dtype=dtype, device=config.device)
         model.cfg.check_target(target.args, target.model_id)
-        return DartDrafter(model, target.model.embed, target.model.lm_head.weight, ngram)
+        if model.cfg.arch != config.method:
+            raise ValueError(f"drafter {config.drafter} is a {model.cfg.arch!r} drafter, not {config.method!r}")
+        if config.method == "eagle":
+            return EagleDrafter(model, target.model.embed, head)
+        return DartDrafter(model, target.model.embed, head, _load_ngram(config, target))
+    if config.method == "medusa":
+        from dart_ray.drafters.medusa import MedusaDrafter
+        from dart_ray.drafters.medusa_model import MedusaModel
+
+        model = MedusaModel.load(_drafter_dir(config, target), dtype=dtype, device=config.device)
+        model.cfg.check_target(target.args, target.model_id)
+        return MedusaDrafter(model, _load_ngram(config, target))
+    if config.method == "sps":
+        from dart_ray.drafters.sps import SpsDrafter
+        from dart_ray.drafters.sps_model import SpsModel
+
+        model = SpsModel.load(_drafter_dir(config, target), dtype=dtype, device=config.device)
+        model.cfg.check_target(target.args, target.model_id)
+        return SpsDrafter(model, target.model.embed, head)
     raise ValueError(f"unknown method {config.method!r}")

@@ -34,10 +34,23 @@ class BatchView:
     lengths: list[int]             # committed target tokens per row
     tokens: np.ndarray             # [B_max, S_max] int64 committed token ids (row r valid up to lengths[r])
     decoding: DecodingConfig       # current runtime knobs
+    params: list | None = None     # per-row SamplingParams (drafters that sample their drafts need them)
+    generators: list | None = None  # per-row torch.Generator (None entries: torch's default) for such draws
 
     @property
     def batch_size(self) -> int:
         return int(self.roots.shape[0])
+
+    def tail_context(self, c: int) -> torch.Tensor:
+        """[B, c] int64 the last ``c`` committed tokens per row (-1 left-padded) -- N-gram context."""
+        B = self.batch_size
+        ctx = torch.full((B, c), -1, dtype=torch.long)
+        for b in range(B):
+            n = self.lengths[b]
+            tail = self.tokens[b, max(0, n - c):n]
+            if len(tail):
+                ctx[b, c - len(tail):] = torch.from_numpy(tail)
+        return ctx
 
 
 class Drafter(abc.ABC):

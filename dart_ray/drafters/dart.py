@@ -43,7 +43,10 @@ class DartDrafter(Drafter):
     def allocate(self, max_batch: int, max_seq_len: int) -> None:
         c = self.cfg
         w = self.model.fc.weight
-        self.cache = KVCache(1, max_batch, c.num_kv_heads, max_seq_len, c.head_dim, w.dtype, w.device)
+        # one forward writes every row's pending context padded to the longest (a newly admitted
+        # prompt next to a long-running row), plus the mask slots: twice the length covers it
+        self.cache = KVCache(1, max_batch, c.num_kv_heads, 2 * max_seq_len + self.max_depth, c.head_dim,
+                             w.dtype, w.device)
         self.pending = [None] * max_batch
 
     # ---- state updates ----------------------------------------------------------------------
@@ -131,14 +134,7 @@ class DartDrafter(Drafter):
         B = view.batch_size
         logits = self.draft_logits(B, depth)
         t0 = time.perf_counter()
-        order = getattr(self.ngram, "order", 3)
-        c = max(order - 2, 1)
-        ctx = torch.full((B, c), -1, dtype=torch.long)
-        for b in range(B):
-            n = view.lengths[b]
-            tail = view.tokens[b, max(0, n - c):n]
-            if len(tail):
-                ctx[b, c - len(tail):] = torch.from_numpy(tail)
+        ctx = view.tail_context(max(getattr(self.ngram, "order", 3) - 2, 1))
         tree = build_trees(view.roots, logits, cfg, context=ctx, ngram=self.ngram)
         self.tree_time_s += time.perf_counter() - t0
         return tree

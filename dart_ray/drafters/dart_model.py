@@ -51,10 +51,15 @@ class DartConfig:
     """Size of a reduced draft vocabulary (an id map ``d2t`` is stored), None = full target vocab."""
     tie_head: bool = True
     """Use the target's LM head weight (frozen, shared) instead of an own head."""
+    arch: str = "dart"
+    """``dart`` (masked future slots, one forward per step) or ``eagle`` (the same layer run
+    autoregressively, its own output fed back as the next position's feature)."""
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.arch not in ("dart", "eagle"):
+            raise ValueError(f"arch must be 'dart' or 'eagle', got {self.arch!r}")
         if len(self.tap_layers) < 1:
             raise ValueError("tap_layers must not be empty")
         if any(not 0 <= t < self.target_layers for t in self.tap_layers):
@@ -142,14 +147,22 @@ class DartModel(nn.Module):
         m = self.mask.expand(*shape, 2 * H)
         return m, m[..., H:]
 
-    def layer(self, h: torch.Tensor, resid: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-              cache, s_used: int) -> torch.Tensor:
-        """One decoder layer; h: [B, T, 2H], resid: [B, T, H] -> [B, T, H] final-normed hidden."""
+    def layer_out(self, h: torch.Tensor, resid: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                  cache, s_used: int) -> torch.Tensor:
+        """One decoder layer; h: [B, T, 2H], resid: [B, T, H] -> [B, T, H] residual output (pre-norm)."""
         cos_t, sin_t = self.rope(int(positions.max()) + 1, h)
         cos, sin = cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)  # [B, 1, T, D]
         x = resid + self.attn(self.attn_norm(h), cos, sin, mask, cache, s_used)
-        x = x + self.mlp(self.mlp_norm(x))
-        return self.norm(x)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def layer(self, h: torch.Tensor, resid: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+              cache, s_used: int) -> torch.Tensor:
+        """One decoder layer; h: [B, T, 2H], resid: [B, T, H] -> [B, T, H] final-normed hidden."""
+        return self.norm(self.layer_out(h, resid, positions, mask, cache, s_used))
+
+    def feature_inputs(self, feature: torch.Tensor, tok_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """EAGLE: a drafted position's inputs from its parent's layer output (in place of fused taps)."""
+        return torch.cat([self.norm_emb(tok_emb), self.norm_tap(feature)], dim=-1), feature
 
     def logits(self, hidden: torch.Tensor, target_head: torch.Tensor | None) -> torch.Tensor:
         """[.., H] -> [.., Vd] (tied: the target's head rows, restricted to d2t if reduced)."""

@@ -235,7 +235,8 @@ class Engine:
         t0 = time.perf_counter()
         tree_before = self.drafter.tree_time_s
         roots = torch.tensor([r.root for r in reqs], dtype=torch.long, device=dev)
-        view = BatchView(roots=roots, lengths=self.cache.lengths[:B], tokens=self.tokens, decoding=decoding)
+        view = BatchView(roots=roots, lengths=self.cache.lengths[:B], tokens=self.tokens, decoding=decoding,
+                         params=[r.params for r in reqs], generators=[r.generator for r in reqs])
         tree = self.drafter.propose(view)                                        # draft + tree search
         t1 = time.perf_counter()
         tree_dt = self.drafter.tree_time_s - tree_before

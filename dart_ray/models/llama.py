@@ -55,7 +55,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)               # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)               # [B, H_kv, T, D]
-        keys, values = cache.write(self.layer_id, k, v, s_used)   # [B, H_kv, S, D]
+        if cache is None:                                         # training: attend within the block
+            keys, values = k, v
+        else:
+            keys, values = cache.write(self.layer_id, k, v, s_used)   # [B, H_kv, S, D]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.n_heads != self.n_kv)  # [B, H, T, D]
         return self.o(out.transpose(1, 2).reshape(B, T, -1))
@@ -132,7 +135,7 @@ class Transformer(nn.Module):
         cache: KVCache,
         rows: slice | None = None,            # cache rows of this batch (default 0..B-1)
         starts: list[int] | None = None,      # per-row write start slot (default: committed length)
-        taps: tuple[int, ...] = (),           # layers whose input residual to return
+        taps: tuple[int, ...] = (),           # layers whose input residual to return (L = final residual)
         logits_at: torch.Tensor | None = None,  # [B, K] positions to compute logits at (None = all)
         return_logits: bool = True,
     ) -> ForwardOutput:
@@ -150,6 +153,8 @@ class Transformer(nn.Module):
             if i in taps:
                 tapped.append(x)
             x = layer(x, cos, sin, mask, cache, s_used)
+        if len(self.layers) in taps:
+            tapped.append(x)                                     # tap L = the final residual (pre-norm)
         tap_out = None
         if taps:
             order = sorted(taps)

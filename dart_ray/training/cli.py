@@ -39,11 +39,17 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
 def train_cli(argv: list[str] | None = None) -> int:
     from dart_ray.training.trainer import TrainConfig, train
 
-    p = argparse.ArgumentParser(prog="dart-ray train-drafter", description="train a DART drafter (resumable)")
+    p = argparse.ArgumentParser(prog="dart-ray train-drafter",
+                                description="train a drafter: DART, EAGLE-style, Medusa heads or an SpS draft model (resumable)")
     p.add_argument("--data", required=True, help="directory of gen-data shards")
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None)
-    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--arch", default="dart",
+                   help="dart (default), eagle (autoregressive drafter), medusa (heads) or sps (draft model); "
+                        "a comma list (arch or arch:depth) trains them together on the same batches (out/<arch>/)")
+    p.add_argument("--depth", type=int, default=8,
+                   help="levels (dart), unrolled steps (eagle), heads (medusa), max chain length (sps)")
+    p.add_argument("--sps-layers", default="0,1", help="sps: target layers the draft blocks start from")
     p.add_argument("--gamma", type=float, default=0.6)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--epochs", type=float, default=1.0)
@@ -56,7 +62,12 @@ def train_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    cfg = TrainConfig(data=a.data, out=a.out, model=a.model, depth=a.depth, gamma=a.gamma, lr=a.lr, epochs=a.epochs,
+    from dart_ray.config import parse_int_list
+
+    archs = [x.strip() for x in a.arch.split(",") if x.strip()]
+    first, _, d0 = archs[0].partition(":")
+    cfg = TrainConfig(data=a.data, out=a.out, model=a.model, arch=first, joint=tuple(archs[1:]), sps_layers=tuple(parse_int_list(a.sps_layers)),
+                      depth=int(d0) if d0 else a.depth, gamma=a.gamma, lr=a.lr, epochs=a.epochs,
                       max_steps=a.max_steps, seqs_per_step=a.seqs_per_step, max_len=a.max_len,
                       draft_vocab=a.draft_vocab, eval_every=a.eval_every, time_budget_s=a.time_budget,
                       threads=a.threads, seed=a.seed)

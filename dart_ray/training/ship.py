@@ -35,22 +35,38 @@ def _dir_mb(p: Path) -> float:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 2**20
 
 
+TITLES = {"dart": "DART drafter and N-gram model", "eagle": "EAGLE-style drafter (baseline)",
+          "medusa": "Medusa heads (baseline)", "sps": "SpS draft model (baseline)"}
+CONFIG_FILES = {"dart": "dart_config.json", "eagle": "dart_config.json", "medusa": "medusa_config.json",
+                "sps": "sps_config.json"}
+
+
 def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, command: str,
-         bench_json: list[str] | None = None, dest_root: Path | None = None) -> Path:
-    from dart_ray.drafters import default_artifact_dir
+         bench_json: list[str] | None = None, dest_root: Path | None = None, arch: str | None = None) -> Path:
+    """Copy a trained drafter (and for DART the N-gram model) into the package with a card.
+
+    DART goes to ``<model_id>/drafter`` with ``<model_id>/CARD.md``; a baseline arch to
+    ``<model_id>/<arch>/`` with its card inside. ``arch`` defaults to the run's own.
+    """
+    from dart_ray.drafters import ARTIFACT_NAMES, default_artifact_dir
 
     run = Path(run_dir)
+    summary = json.loads((run / "train_summary.json").read_text())
+    arch = arch or summary.get("arch") or summary["config"].get("arch", "dart")
+    if arch not in ARTIFACT_NAMES:
+        raise ValueError(f"unknown arch {arch!r}")
     dest = (dest_root / model_id) if dest_root else default_artifact_dir(model_id)
     dest.mkdir(parents=True, exist_ok=True)
     sizes = {}
     src = run / "drafter"
-    if not (src / "dart_config.json").is_file():
-        raise FileNotFoundError(f"no trained drafter in {src}")
-    if (dest / "drafter").exists():
-        shutil.rmtree(dest / "drafter")
-    shutil.copytree(src, dest / "drafter")
-    sizes["drafter"] = _dir_mb(dest / "drafter")
-    if ngram_dir:
+    if not (src / CONFIG_FILES[arch]).is_file():
+        raise FileNotFoundError(f"no trained {arch} drafter in {src}")
+    target_dir = dest / ARTIFACT_NAMES[arch]
+    if target_dir.exists():
+        shutil.rmtree(target_dir)
+    shutil.copytree(src, target_dir)
+    sizes[ARTIFACT_NAMES[arch]] = _dir_mb(target_dir)
+    if ngram_dir and arch == "dart":
         if (dest / "ngram").exists():
             shutil.rmtree(dest / "ngram")
         shutil.copytree(ngram_dir, dest / "ngram")
@@ -58,9 +74,12 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
     too_big = {k: v for k, v in sizes.items() if v > MAX_MB}
     if too_big:
         raise ValueError(f"shipped artifacts over {MAX_MB} MB: {too_big}")
-    summary = json.loads((run / "train_summary.json").read_text())
     ev = summary["final_eval"]
-    lines = [f"# DART drafter and N-gram model for {model_id}", "",
+    cfg = summary["config"]
+    keys = ("arch", "depth", "gamma", "lr", "epochs", "max_steps", "seqs_per_step", "max_len", "draft_vocab",
+            "teacher_topk") + (("sps_layers",) if arch == "sps" else ())
+    joint = summary.get("joint_with") or []
+    lines = [f"# {TITLES[arch]} for {model_id}", "",
              "Produced by this project's own commands (no third-party weights):", "", "```bash", command, "```", "",
              "## Data",
              "Self-distillation: the target answered an offline prompt corpus (`dart_ray/training/corpus.py`): "
@@ -72,16 +91,19 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
              "Held-out split by prompt hash.", "",
              "![training curves](training.png)", "",
              f"- training sequences: {summary['train_seqs']}, held-out: {summary['val_seqs']}",
-             f"- optimizer steps: {summary['steps']}; training wall time this run: {summary['train_wall_s'] / 60:.1f} min",
-             f"- config: `{json.dumps({k: summary['config'][k] for k in ('depth', 'gamma', 'lr', 'epochs', 'seqs_per_step', 'max_len', 'draft_vocab', 'teacher_topk')})}`",
-             f"- sizes: " + ", ".join(f"{k} {v:.1f} MB" for k, v in sizes.items()), "",
+             f"- optimizer steps: {summary['steps']}; this drafter's training compute (its updates + its share of "
+             f"the teacher pass): {summary['train_wall_s'] / 60:.1f} min"
+             + (f"; trained jointly with {', '.join(joint)} on the same batches" if joint else ""),
+             f"- config: `{json.dumps({k: cfg.get(k) for k in keys})}`",
+             "- sizes: " + ", ".join(f"{k} {v:.1f} MB" for k, v in sizes.items()), "",
              "## Held-out accuracy (vs the target's argmax)", "",
              "| level | " + " | ".join(str(i + 1) for i in range(len(ev["top1"]))) + " |",
              "|---|" + "---|" * len(ev["top1"]),
              "| top-1 | " + " | ".join(f"{a:.3f}" for a in ev["top1"]) + " |",
              "| top-5 | " + " | ".join(f"{a:.3f}" for a in ev["top5"]) + " |", "",
-             f"Expected accepted length of a greedy chain (1 + leading correct levels): **{ev['chain_tau']:.2f}** "
-             "(trees accept more: see the measured tau below).", ""]
+             f"Expected accepted length of a greedy chain (1 + leading correct levels"
+             + (f", chains of {cfg['depth']} draft-model tokens" if arch == "sps" else "")
+             + f"): **{ev['chain_tau']:.2f}** (trees accept more: see the measured tau below).", ""]
     for bj in bench_json or []:
         rep = json.loads(Path(bj).read_text())
         from dart_ray.bench.runner import format_table
@@ -89,9 +111,10 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
         c = rep["config"]
         lines += [f"## Measured: `{Path(bj).name}` ({c['n_prompts']} prompts, bs {c['batch_size']}, {c['dtype']}, "
                   f"{c['max_new_tokens']} new tokens)", "", format_table(rep), ""]
+    card_dir = dest if arch == "dart" else target_dir
     if (run / "training.png").is_file():
-        shutil.copy(run / "training.png", dest / "training.png")
-    (dest / "CARD.md").write_text("\n".join(lines))
+        shutil.copy(run / "training.png", card_dir / "training.png")
+    (card_dir / "CARD.md").write_text("\n".join(lines))
     return dest
 
 
@@ -101,12 +124,14 @@ def ship_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="self-distillation data (builds the N-gram model from its train split)")
     p.add_argument("--ngram", default=None, help="an existing N-gram model directory instead of --data")
     p.add_argument("--model-id", default="SmolLM2-135M-Instruct")
+    p.add_argument("--arch", default=None, help="dart|eagle|medusa|sps (default: the run's)")
     p.add_argument("--command", default="make artifacts", help="the command recorded in the card")
     p.add_argument("--bench", action="append", help="bench JSON(s) to include in the card")
     a = p.parse_args(argv)
     ngram = a.ngram
-    if ngram is None and a.data:
+    arch = a.arch or json.loads((Path(a.run) / "train_summary.json").read_text()).get("arch", "dart")
+    if ngram is None and a.data and arch == "dart":
         ngram = ngram_from_selfdistill(a.data, Path(a.run) / "ngram", model_id=a.model_id)
-    dest = ship(a.run, ngram, a.model_id, a.command, a.bench)
+    dest = ship(a.run, ngram, a.model_id, a.command, a.bench, arch=arch)
     print(f"shipped to {dest}")
     return 0

@@ -18,6 +18,7 @@ block's own keys] with one joint softmax, instead of a dense (L*d)^2 mask.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -31,6 +32,9 @@ from dart_ray.drafters.dart_model import DartConfig, DartModel
 from dart_ray.models.rope import apply_rope
 
 
+ARCHS = ("dart", "eagle", "medusa", "sps")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Knobs of ``dart-ray train-drafter``."""
@@ -41,8 +45,17 @@ class TrainConfig:
     """Output directory: checkpoints, final drafter, card, plots."""
     model: str | None = None
     """Target (default: embedded SmolLM2)."""
+    arch: str = "dart"
+    """What to train: ``dart`` (masked slots), ``eagle`` (the same layer unrolled autoregressively with
+    its own features fed back, trained with the unroll), ``medusa`` (K heads on the last hidden
+    state) or ``sps`` (a shallow causal draft model distilled from the target)."""
     depth: int = 8
-    """Trained draft depth d."""
+    """Trained draft depth d (levels; EAGLE: unrolled steps; Medusa: heads; SpS: always 1 level)."""
+    joint: tuple[str, ...] = ()
+    """Further archs trained in the same run on the same batches and teacher pass (``out/<arch>/``);
+    each ``"arch"`` or ``"arch:depth"`` (default: ``depth``)."""
+    sps_layers: tuple[int, ...] = (0, 1)
+    """SpS: target layers the draft model's blocks are initialised from (one block each)."""
     gamma: float = 0.6
     """Level weight base: level t weighted gamma^(t-1)."""
     lr: float = 1e-3
@@ -68,6 +81,16 @@ class TrainConfig:
     """Stop (and save) after this many seconds of training."""
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.arch != "dart" and not self.draft_vocab:
+            raise ValueError(f"arch {self.arch!r} needs a reduced draft vocabulary (draft_vocab > 0)")
+        object.__setattr__(self, "sps_layers", tuple(self.sps_layers))
+        object.__setattr__(self, "joint", tuple(self.joint))
+        for spec in self.joint:
+            arch, _, d = spec.partition(":")
+            if arch not in ARCHS or (d and not (d.isdigit() and 1 <= int(d) <= 16)):
+                raise ValueError(f"joint entries must be 'arch' or 'arch:depth' with arch in {ARCHS}, got {spec!r}")
         if not 1 <= self.depth <= 16:
             raise ValueError("depth must be in [1, 16]")
         if not 0 < self.gamma <= 1:
@@ -95,7 +118,7 @@ def teacher_pass(target, cache, batch: torch.Tensor, lens: list[int], taps: tupl
     out = target(batch, pos, mask, cache, rows=slice(0, B), starts=[0] * B, taps=taps)
     logp = torch.log_softmax(out.logits.float(), dim=-1)          # [B, L, V]
     top_lp, top_id = logp.topk(topk, dim=-1)                      # [B, L, K]
-    return out.taps.float(), top_id, top_lp
+    return (out.taps.float() if out.taps is not None else None), top_id, top_lp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,6 +183,119 @@ def drafter_train_forward(model: DartModel, embed: torch.nn.Embedding, taps: tor
     return model.logits(model.norm(x), head_weight)                                                       # [B, J, d, Vd]
 
 
+def eagle_train_forward(model: DartModel, embed: torch.nn.Embedding, taps: torch.Tensor,
+                        tokens: torch.Tensor) -> torch.Tensor:
+    """EAGLE-style unrolled training ("training-time test"): taps [B, L, nT*H], tokens [B, L]
+    -> logits [B, L-1, d, Vd].
+
+    Step 0 is the context pass (context j sees E[x_{j+1}] and fc(taps_j), causal). Step m >= 1 puts,
+    for every prefix j, one drafted position j+m whose inputs are E[x_{j+1+m}] (teacher-forced: a
+    level only counts when all earlier levels were right) and the *drafter's own* step m-1 output at
+    j as its feature -- exactly what inference feeds it. That position attends to context 0..j and
+    to the drafted positions of its own chain (steps 1..m), never to other prefixes' chains.
+    """
+    cfg = model.cfg
+    B, L = tokens.shape
+    J = L - 1
+    K = cfg.depth
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rep = nh // nkv
+    attn = model.attn
+    with torch.no_grad():
+        emb = embed(tokens).float()                                                   # [B, L, H]
+    h, resid = model.context_inputs(taps[:, :J], emb[:, 1:])                          # [B, J, 2H], [B, J, H]
+    cos_t, sin_t = model.rope(L + K + 1, h)
+    scale = 1.0 / math.sqrt(hd)
+    prefix_ok = torch.ones(J, J, dtype=torch.bool).tril()                             # key k <= prefix j
+    outs: list[torch.Tensor] = []
+    own_k: list[torch.Tensor] = []
+    own_v: list[torch.Tensor] = []
+    ctx_k = ctx_v = None
+    for m in range(K):
+        pos = torch.arange(J) + m
+        cos, sin = cos_t[pos][None, None], sin_t[pos][None, None]                     # [1, 1, J, hd]
+        q, k, v = attn.qkv(model.attn_norm(h)).split(attn.split, dim=-1)
+        q = apply_rope(q.view(B, J, nh, hd).transpose(1, 2), cos, sin)                # [B, nh, J, hd]
+        k = _expand_kv(apply_rope(k.view(B, J, nkv, hd).transpose(1, 2), cos, sin), rep)  # [B, nh, J, hd]
+        v = _expand_kv(v.view(B, J, nkv, hd).transpose(1, 2), rep)                    # [B, nh, J, hd]
+        if m == 0:
+            ctx_k, ctx_v = k, v
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)               # [B, nh, J, hd]
+        else:
+            own_k.append(k)
+            own_v.append(v)
+            ok, ov = torch.stack(own_k, dim=3), torch.stack(own_v, dim=3)             # [B, nh, J, m, hd]
+            s_ctx = (q @ ctx_k.transpose(-1, -2)) * scale                             # [B, nh, J, J]
+            s_ctx = s_ctx.masked_fill(~prefix_ok, float("-inf"))
+            s_own = torch.einsum("bhjd,bhjmd->bhjm", q, ok) * scale                   # [B, nh, J, m]
+            p = torch.softmax(torch.cat([s_ctx, s_own], dim=-1), dim=-1)
+            a = p[..., :J] @ ctx_v + torch.einsum("bhjm,bhjmd->bhjd", p[..., J:], ov)   # [B, nh, J, hd]
+        x = resid + attn.o(a.transpose(1, 2).reshape(B, J, nh * hd))
+        x = x + model.mlp(model.mlp_norm(x))                                          # [B, J, H]
+        outs.append(x)
+        if m + 1 < K:
+            nxt = (torch.arange(J) + 2 + m).clamp(max=L - 1)                          # token x_{j+2+m}
+            h, resid = model.feature_inputs(x, emb[:, nxt])
+    return model.logits(model.norm(torch.stack(outs, dim=2)), None)                    # [B, J, K, Vd]
+
+
+def medusa_train_forward(model, final_hidden: torch.Tensor) -> torch.Tensor:
+    """final_hidden [B, L, H] (target tap L) -> logits [B, L-1, K, Vd]."""
+    return model(final_hidden[:, :-1])
+
+
+def sps_train_forward(model, embed: torch.nn.Embedding, tokens: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    """tokens [B, L] -> logits [B, L-1, 1, Vd]: the output at position j+1 (next-token prediction
+    after x_{j+1}) is "level 1" of prefix j. ``head_weight`` [Vd, H] = the target's head rows d2t."""
+    B, L = tokens.shape
+    with torch.no_grad():
+        x = embed(tokens).float()                                                     # [B, L, H]
+    pos = torch.arange(L).expand(B, L)
+    mask = torch.zeros(L, L).masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+    hidden = model.hidden(x, pos, mask[None, None].to(x.dtype), None, L)              # [B, L, H]
+    return (hidden[:, 1:] @ head_weight.t().to(hidden.dtype)).unsqueeze(2)           # [B, J, 1, Vd]
+
+
+def build_model(cfg: "TrainConfig", tgt, d2t: torch.Tensor | None) -> torch.nn.Module:
+    """A freshly initialised drafter of ``cfg.arch`` for the loaded target ``tgt``."""
+    from dart_ray.drafters.medusa_model import MedusaConfig, MedusaModel
+    from dart_ray.drafters.sps_model import SpsConfig, SpsModel
+
+    args, target = tgt.args, tgt.model
+    if cfg.arch in ("dart", "eagle"):
+        dcfg = DartConfig.for_target(args, tgt.model_id, depth=cfg.depth, arch=cfg.arch,
+                                     draft_vocab=cfg.draft_vocab or None, tie_head=not cfg.draft_vocab)
+        model = DartModel(dcfg).init_random(cfg.seed)
+        if d2t is not None:
+            with torch.no_grad():
+                model.d2t.copy_(d2t)
+                model.head.weight.copy_(target.lm_head.weight[d2t].float())
+        return model
+    if cfg.arch == "medusa":
+        return MedusaModel(MedusaConfig.for_target(args, tgt.model_id, depth=cfg.depth,
+                                                   draft_vocab=cfg.draft_vocab)).init_from_target(target, d2t)
+    return SpsModel(SpsConfig.for_target(args, tgt.model_id, num_layers=len(cfg.sps_layers),
+                                         init_layers=cfg.sps_layers, draft_vocab=cfg.draft_vocab,
+                                         max_depth=max(cfg.depth, 1))).init_from_target(target, d2t)
+
+
+def model_taps(arch: str, model) -> tuple[int, ...]:
+    """Target layers the teacher pass must tap for ``arch``."""
+    return () if arch == "sps" else tuple(model.cfg.tap_layers)
+
+
+def train_forward(arch: str, model, target, taps, tokens: torch.Tensor) -> torch.Tensor:
+    """Per-prefix level logits [B, L-1, d, Vd] for every architecture (level t of prefix j is trained
+    towards the target's distribution at position j+t)."""
+    if arch == "dart":
+        return drafter_train_forward(model, target.embed, taps, tokens, target.lm_head.weight)
+    if arch == "eagle":
+        return eagle_train_forward(model, target.embed, taps, tokens)
+    if arch == "medusa":
+        return medusa_train_forward(model, taps)
+    return sps_train_forward(model, target.embed, tokens, target.lm_head.weight[model.d2t])
+
+
 def level_targets(top_id: torch.Tensor, top_lp: torch.Tensor, t2d: torch.Tensor | None, depth: int,
                   lens: list[int]):
     """Teacher for prefix j, level t = teacher at position j+t -> ids/probs [B, J, d, K] (+ valid mask)."""
@@ -214,12 +350,17 @@ def _pad(batch: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
     return t, lens
 
 
+def level_count(cfg: "TrainConfig") -> int:
+    """Levels trained per prefix (SpS drafts one token per forward: one level)."""
+    return 1 if cfg.arch == "sps" else cfg.depth
+
+
 @torch.no_grad()
 def evaluate(model, target, cache, embed, seqs, cfg: TrainConfig, t2d) -> dict:
     """Per-level top-1/top-5 accuracy vs the target's argmax and the expected accepted length of a
     greedy chain (1 + mean number of leading correct levels)."""
     model.eval()
-    d = cfg.depth
+    d = level_count(cfg)
     correct = torch.zeros(d)
     top5 = torch.zeros(d)
     total = torch.zeros(d)
@@ -227,9 +368,9 @@ def evaluate(model, target, cache, embed, seqs, cfg: TrainConfig, t2d) -> dict:
     n_prefix = 0
     for i in range(0, len(seqs), cfg.seqs_per_step):
         tokens, lens = _pad([s[0][:cfg.max_len] for s in seqs[i:i + cfg.seqs_per_step]])
-        taps, top_id, top_lp = teacher_pass(target, cache, tokens, lens, model.cfg.tap_layers, cfg.teacher_topk)
+        taps, top_id, top_lp = teacher_pass(target, cache, tokens, lens, model_taps(cfg.arch, model), cfg.teacher_topk)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = drafter_train_forward(model, embed, taps, tokens, target.lm_head.weight)  # [B, J, d, Vd]
+            logits = train_forward(cfg.arch, model, target, taps, tokens)               # [B, J, d, Vd]
         truth = top_id[..., 0]                                                    # [B, L] target argmax
         J = tokens.shape[1] - 1
         idx = (torch.arange(J)[:, None] + torch.arange(1, d + 1)[None, :]).clamp(max=tokens.shape[1] - 1)
@@ -245,6 +386,12 @@ def evaluate(model, target, cache, embed, seqs, cfg: TrainConfig, t2d) -> dict:
         total += valid.sum((0, 1)).float()
         full = valid.all(-1)                                                      # prefixes with all d levels in range
         lead = torch.cumprod(ok1.int(), dim=-1).sum(-1)                           # [B, J]
+        if cfg.arch == "sps":  # a chain of cfg.depth AR drafts: level-1 hits at j, j+1, ... (teacher-forced)
+            D = cfg.depth
+            hit = F.pad(ok1[..., 0].int(), (0, D))                                # [B, J+D]
+            win = hit.unfold(1, D, 1)[:, :J]                                      # [B, J, D]
+            lead = torch.cumprod(win, dim=-1).sum(-1)
+            full = (torch.arange(J)[None, :] + D) < torch.tensor(lens)[:, None]
         chain += float(lead[full].sum())
         n_prefix += int(full.sum())
     model.train()
@@ -252,7 +399,65 @@ def evaluate(model, target, cache, embed, seqs, cfg: TrainConfig, t2d) -> dict:
             "chain_tau": 1.0 + chain / max(n_prefix, 1), "n_prefixes": n_prefix}
 
 
+class _Student:
+    """One drafter being trained: model, optimiser, schedule, history, output directory."""
+
+    def __init__(self, cfg: TrainConfig, tgt, d2t, out: Path, total: int) -> None:
+        self.cfg = cfg
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.model = build_model(cfg, tgt, d2t).train()
+        self.taps = model_taps(cfg.arch, self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))
+            * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+        self.step, self.history = 0, {"loss": [], "eval": []}
+        self.ckpt = out / "checkpoint"
+        self.wall_s = 0.0
+        if (self.ckpt / "state.pt").is_file():  # resume
+            st = torch.load(self.ckpt / "state.pt", weights_only=False)
+            self.model.load_state_dict(st["model"])
+            self.opt.load_state_dict(st["opt"])
+            self.sched.load_state_dict(st["sched"])
+            self.step, self.history = st["step"], st["history"]
+            self.wall_s = st.get("wall_s", 0.0)
+            print(f"{cfg.arch}: resumed from step {self.step}")
+
+    def update(self, target, taps, tokens, ids, p, valid) -> float:
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = train_forward(self.cfg.arch, self.model, target, taps, tokens)
+        loss, per_level = kl_loss(logits, ids, p, valid, self.cfg.gamma)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        self.history["loss"].append((self.step, float(loss.detach()), per_level.tolist()))
+        self.wall_s += time.perf_counter() - t0
+        return float(loss.detach())
+
+    def save_checkpoint(self) -> None:
+        self.ckpt.mkdir(exist_ok=True)
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
+                    "step": self.step, "history": self.history, "wall_s": self.wall_s}, self.ckpt / "state.tmp")
+        (self.ckpt / "state.tmp").replace(self.ckpt / "state.pt")
+
+
+def _select_taps(all_taps: torch.Tensor | None, order: tuple[int, ...], want: tuple[int, ...], H: int):
+    """Columns of the teacher's concatenated taps (in ``order``) for the layers ``want``."""
+    if not want:
+        return None
+    return torch.cat([all_taps[..., order.index(t) * H:(order.index(t) + 1) * H] for t in want], dim=-1)
+
+
 def train(cfg: TrainConfig, progress: bool = True) -> dict:
+    """Train ``cfg.arch`` (and every arch in ``cfg.joint``, on the very same batches and teacher pass:
+    equal data and steps by construction). Returns the summary of ``cfg.arch``; with ``joint`` the
+    students live in ``out/<arch>/``, otherwise in ``out/``."""
     from dart_ray.models import load_target
     from dart_ray.training.gen_data import load_sequences
 
@@ -269,44 +474,34 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         raise ValueError(f"no training rows in {cfg.data}")
     embed = target.embed
     cache = target.new_cache(cfg.seqs_per_step, cfg.max_len + 8)
-    dcfg = DartConfig.for_target(args, tgt.model_id, depth=cfg.depth,
-                                 draft_vocab=cfg.draft_vocab or None, tie_head=not cfg.draft_vocab)
-    model = DartModel(dcfg).init_random(cfg.seed)
-    t2d = None
+    t2d = d2t = None
     if cfg.draft_vocab:
         d2t = choose_draft_vocab(train_seqs, cfg.draft_vocab, args.vocab_size)
-        model.d2t.copy_(d2t)
-        with torch.no_grad():
-            model.head.weight.copy_(target.lm_head.weight[d2t].float())
         t2d = torch.full((args.vocab_size,), -1, dtype=torch.long)
         t2d[d2t] = torch.arange(len(d2t))
         n_tok = sum(len(s) for s, _ in train_seqs)
         covered = sum(int((t2d[torch.tensor(s)] >= 0).sum()) for s, _ in train_seqs)
         print(f"draft vocab {len(d2t)}: covers {covered / n_tok:.1%} of training tokens")
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     steps_per_epoch = len(train_seqs) // cfg.seqs_per_step
     total = max(1, int(steps_per_epoch * cfg.epochs))
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))
-        * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    step, history = 0, {"loss": [], "eval": []}
-    ckpt = out / "checkpoint"
-    if (ckpt / "state.pt").is_file():  # resume
-        st = torch.load(ckpt / "state.pt", weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
-        step, history = st["step"], st["history"]
-        print(f"resumed from step {step}")
+    cfgs = {cfg.arch: dataclasses.replace(cfg, joint=())}
+    for spec in cfg.joint:
+        arch, _, d = spec.partition(":")
+        cfgs.setdefault(arch, dataclasses.replace(cfg, arch=arch, joint=(), depth=int(d) if d else cfg.depth))
+    archs = tuple(cfgs)
+    students = [_Student(c, tgt, d2t, out / a if len(archs) > 1 else out, total) for a, c in cfgs.items()]
+    step = min(s.step for s in students)
+    if len({s.step for s in students}) > 1:
+        raise RuntimeError(f"joint students resumed at different steps {[s.step for s in students]}; "
+                           "delete the lagging checkpoint or train them separately")
+    tap_order = tuple(sorted({t for s in students for t in s.taps}))
     rng = torch.Generator().manual_seed(cfg.seed)
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=total, initial=step, desc="train-drafter", unit="step")
+        bar = tqdm(total=total, initial=step, desc="train-drafter " + ",".join(archs), unit="step")
     t_start = time.perf_counter()
     tokens_seen = 0
     epoch = 0
@@ -316,49 +511,52 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             if epoch == 0 and i < step % max(steps_per_epoch, 1) and i < step:
                 continue  # skip batches consumed before a resume (same permutation)
             tokens, lens = _pad(batch)
-            taps, top_id, top_lp = teacher_pass(target, cache, tokens, lens, dcfg.tap_layers, cfg.teacher_topk)
-            ids, p, valid = level_targets(top_id, top_lp, t2d, cfg.depth, lens)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = drafter_train_forward(model, embed, taps, tokens, target.lm_head.weight)
-            loss, per_level = kl_loss(logits, ids, p, valid, cfg.gamma)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            sched.step()
+            t0 = time.perf_counter()
+            taps, top_id, top_lp = teacher_pass(target, cache, tokens, lens, tap_order, cfg.teacher_topk)
+            teacher_s = (time.perf_counter() - t0) / len(students)  # the shared teacher pass, split evenly
+            losses = {}
+            for st in students:
+                ids, p, valid = level_targets(top_id, top_lp, t2d, level_count(st.cfg), lens)
+                losses[st.cfg.arch] = st.update(target, _select_taps(taps, tap_order, st.taps, args.hidden_size),
+                                                tokens, ids, p, valid)
+                st.wall_s += teacher_s
             step += 1
             tokens_seen += sum(lens)
-            history["loss"].append((step, float(loss), per_level.tolist()))
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{tokens_seen / (time.perf_counter() - t_start):.0f}")
-            if step % cfg.eval_every == 0 or step == total:
-                ev = evaluate(model, target, cache, embed, val_seqs, cfg, t2d)
-                history["eval"].append((step, ev))
-                print(f"\nstep {step}: top1 {[round(a, 3) for a in ev['top1']]} chain_tau {ev['chain_tau']:.2f}")
+                bar.set_postfix(**{k: f"{v:.3f}" for k, v in losses.items()},
+                                tok_s=f"{tokens_seen / (time.perf_counter() - t_start):.0f}")
             out_of_time = cfg.time_budget_s and time.perf_counter() - t_start > cfg.time_budget_s
-            if step % cfg.ckpt_every == 0 or step >= total or out_of_time:
-                ckpt.mkdir(exist_ok=True)
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                            "step": step, "history": history}, ckpt / "state.tmp")
-                (ckpt / "state.tmp").replace(ckpt / "state.pt")
+            for st in students:
+                if step % cfg.eval_every == 0 or step == total:
+                    ev = evaluate(st.model, target, cache, embed, val_seqs, st.cfg, t2d)
+                    st.history["eval"].append((step, ev))
+                    print(f"\n{st.cfg.arch} step {step}: top1 {[round(a, 3) for a in ev['top1']]} "
+                          f"chain_tau {ev['chain_tau']:.2f}")
+                if step % cfg.ckpt_every == 0 or step >= total or out_of_time:
+                    st.save_checkpoint()
             if step >= total or out_of_time:
                 done = True
                 break
         epoch += 1
     if bar is not None:
         bar.close()
-    if not history["eval"] or history["eval"][-1][0] != step:
-        history["eval"].append((step, evaluate(model, target, cache, embed, val_seqs, cfg, t2d)))
-    final = out / "drafter"
-    model.to(torch.bfloat16).save(final)
-    summary = {"steps": step, "train_seqs": len(train_seqs), "val_seqs": len(val_seqs),
-               "train_wall_s": time.perf_counter() - t_start, "tokens_seen_this_run": tokens_seen,
-               "final_eval": history["eval"][-1][1], "config": asdict(cfg),
-               "size_mb": (final / "model.safetensors").stat().st_size / 2**20}
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
-    plot_history(history, out / "training.png")
-    return summary
+    summaries = {}
+    for st in students:
+        if not st.history["eval"] or st.history["eval"][-1][0] != step:
+            st.history["eval"].append((step, evaluate(st.model, target, cache, embed, val_seqs, st.cfg, t2d)))
+        final = st.out / "drafter"
+        st.model.to(torch.bfloat16).save(final)
+        summary = {"arch": st.cfg.arch, "steps": step, "train_seqs": len(train_seqs), "val_seqs": len(val_seqs),
+                   "train_wall_s": st.wall_s, "joint_with": [a for a in archs if a != st.cfg.arch],
+                   "tokens_seen_this_run": tokens_seen,
+                   "final_eval": st.history["eval"][-1][1], "config": asdict(st.cfg),
+                   "losses": [h[1] for h in st.history["loss"]],
+                   "size_mb": (final / "model.safetensors").stat().st_size / 2**20}
+        (st.out / "train_summary.json").write_text(json.dumps(summary, indent=2))
+        plot_history(st.history, st.out / "training.png")
+        summaries[st.cfg.arch] = summary
+    return summaries[cfg.arch]
 
 
 def plot_history(history: dict, path: Path) -> None:

@@ -19,6 +19,10 @@ class TokenTree:
     parents: torch.Tensor  # [B, 1+N] int64; parents[:, 0] = -1 (root has none)
     depths: torch.Tensor   # [B, 1+N] int64; root depth 0
     valid: torch.Tensor    # [B, 1+N] bool; root always valid
+    draft_probs: torch.Tensor | None = None
+    """[B, 1+N, V] float32, only for drafters that *sample* their drafts (SpS): the draft distribution
+    q that node i's token was drawn from (row 0 unused). With it, sampled rows use the standard
+    p/q rejection rule (chains only); without it drafts are treated as deterministic."""
 
     @property
     def batch_size(self) -> int:
@@ -34,7 +38,13 @@ class TokenTree:
         return ancestor_mask(self.parents, self.depths)
 
     def to(self, device: torch.device | str) -> "TokenTree":
-        return TokenTree(*(t.to(device) for t in (self.tokens, self.parents, self.depths, self.valid)))
+        q = None if self.draft_probs is None else self.draft_probs.to(device)
+        return TokenTree(*(t.to(device) for t in (self.tokens, self.parents, self.depths, self.valid)), q)
+
+    def select_rows(self, idx: torch.Tensor) -> "TokenTree":
+        """The trees of rows ``idx`` ([n] int64)."""
+        q = None if self.draft_probs is None else self.draft_probs.index_select(0, idx)
+        return TokenTree(*(t.index_select(0, idx) for t in (self.tokens, self.parents, self.depths, self.valid)), q)
 
     def validate(self) -> None:
         """Raise ValueError if the structural invariants do not hold (used in tests)."""

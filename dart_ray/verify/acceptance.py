@@ -25,6 +25,10 @@ tried in node-index order; ``x`` is accepted with probability ``p(x) / sum(p)``;
 from the residual. By induction each emitted token has exactly the target's processed distribution
 given the prefix, whatever the draft tree was (``tests/test_acceptance.py`` checks this
 statistically, including a negative control that must fail).
+
+Sampled drafts (``tree.draft_probs`` set, chains only -- the SpS draft model): the standard rule
+of Leviathan et al. -- accept ``x ~ q`` with probability ``min(1, p(x) / q(x))``; on rejection the
+bonus is drawn from ``max(p - q, 0)`` renormalised.
 """
 
 from __future__ import annotations
@@ -211,6 +215,10 @@ def sample_accept(
     par = tree.parents.clamp(min=0)  # [B, T]
     # p_child[b, i] = p(tokens[i] | parent of i): the target mass on node i at its parent
     p_child = probs[torch.arange(B, device=dev)[:, None], par, tree.tokens]  # [B, T]
+    if tree.draft_probs is not None:
+        if tree.draft_probs.shape != probs.shape:
+            raise ValueError(f"draft_probs {tuple(tree.draft_probs.shape)} do not match logits {tuple(probs.shape)}")
+        return _sample_accept_pq(tree, probs, p_child.double().cpu().tolist(), tree.valid.cpu().tolist(), generators)
     total = probs.sum(dim=-1, dtype=torch.float64)  # [B, T] (1 up to rounding)
     p_child_l = p_child.double().cpu().tolist()
     total_l = total.cpu().tolist()
@@ -269,15 +277,67 @@ def sample_accept(
         rej_r = torch.tensor(rejected_rows, device=dev)
         rej_t = torch.tensor(rejected_toks, device=dev)
         resid[rej_r, rej_t] = 0.0  # residual: rejected tokens of the last node's children
+    bonus = _draw(resid, orig, bonus_u)
+    return _acceptance(tree, paths, bonus)
+
+
+def _draw(resid: torch.Tensor, orig: torch.Tensor, u: list[float]) -> torch.Tensor:
+    """One token per row from the (unnormalised) residual ``[B, V]`` with uniforms ``u``."""
+    dev = resid.device
     empty = resid.sum(dim=-1) <= 0  # [B] cannot happen exactly
     resid = torch.where(empty[:, None], orig, resid)
     cdf = resid.double().cumsum(dim=-1)  # [B, V]
-    thr = torch.tensor(bonus_u, dtype=torch.float64, device=dev) * cdf[:, -1]  # [B]
+    thr = torch.tensor(u, dtype=torch.float64, device=dev) * cdf[:, -1]  # [B]
     bonus = torch.searchsorted(cdf, thr[:, None], right=True)[:, 0]  # first index with cdf > thr
     V = resid.shape[-1]
     last_pos = torch.where(resid > 0, torch.arange(V, device=dev), -1).amax(dim=-1)  # [B]
-    bonus = torch.minimum(bonus, last_pos)  # guard rounding at the top
+    return torch.minimum(bonus, last_pos)  # guard rounding at the top
 
+
+def _sample_accept_pq(tree: TokenTree, probs: torch.Tensor, p_child_l: list, valid_l: list,
+                      generators: Sequence[torch.Generator | None]) -> Acceptance:
+    """Sampled chain drafts: accept x ~ q w.p. min(1, p(x)/q(x)); else bonus ~ max(p - q, 0)."""
+    B, T = tree.tokens.shape
+    dev = probs.device
+    if T > 1 and not bool(((tree.parents[:, 1:] == torch.arange(T - 1, device=tree.parents.device))
+                           | ~tree.valid[:, 1:]).all()):
+        raise ValueError("draft_probs (sampled drafts) are only supported for chain trees")
+    q = tree.draft_probs                                                   # [B, T, V]
+    q_child = q.gather(2, tree.tokens.unsqueeze(-1)).squeeze(-1)          # [B, T] q(token_i)
+    q_child_l = q_child.double().cpu().tolist()
+    paths: list[list[int]] = []
+    last_nodes: list[int] = []
+    rejected: list[int] = []                                               # rejected node per row (-1: none)
+    bonus_u: list[float] = []
+    for b in range(B):
+        n_valid = sum(valid_l[b][1:])
+        u = _uniforms(n_valid + 1, generators[b])
+        path, rej = [0], -1
+        for i in range(1, n_valid + 1):
+            px, qx = p_child_l[b][i], q_child_l[b][i]
+            if qx <= 0:
+                raise ValueError("a sampled draft token has q(x) = 0")
+            if u[i - 1] * qx < px:                                         # accept w.p. min(1, p/q)
+                path.append(i)
+            else:
+                rej = i
+                break
+        paths.append(path)
+        last_nodes.append(path[-1])
+        rejected.append(rej)
+        bonus_u.append(u[n_valid])
+    rows = torch.arange(B, device=dev)
+    last = torch.tensor(last_nodes, dtype=torch.long, device=dev)
+    orig = probs[rows, last]                                               # [B, V]
+    rej_t = torch.tensor(rejected, dtype=torch.long, device=dev)
+    q_rej = q[rows, rej_t.clamp(min=0)]                                    # [B, V]
+    resid = torch.where((rej_t >= 0)[:, None], (orig - q_rej).clamp(min=0), orig)
+    return _acceptance(tree, paths, _draw(resid, orig, bonus_u))
+
+
+def _acceptance(tree: TokenTree, paths: list[list[int]], bonus: torch.Tensor) -> Acceptance:
+    B = len(paths)
+    dev = bonus.device
     width = _max_depth(tree) + 1
     path_t = torch.full((B, width), -1, dtype=torch.long)
     for b, pth in enumerate(paths):
@@ -311,9 +371,7 @@ def accept(
         return out
     dev = logits.device
     idx = torch.tensor(sampled, dtype=torch.long, device=dev)
-    sub_tree = TokenTree(
-        *(t.index_select(0, idx) for t in (tree.tokens, tree.parents, tree.depths, tree.valid))
-    )
+    sub_tree = tree.select_rows(idx)
     temps = torch.tensor(
         [params_list[b].temperature for b in sampled], dtype=torch.float32, device=dev
     )
