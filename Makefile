@@ -14,7 +14,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat artifacts gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare artifacts gpu-check clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,19 @@ bench: setup
 bench-chat: setup
 	$(FAST_ENV) $(BIN)/dart-ray bench --prompts chat --chat --methods ar,ngram,dart,hf,hf-pld \
 	  --threads 2 --out $(RUNS)/bench-chat-bs1.json --plot $(RUNS)/bench-chat-bs1.png
+
+# issue 8: every method on HumanEval and the chat set, bs 1 and 4 (docs/BENCHMARKS.md, "Methods compared").
+KNOBS := dart_ray/bench/data/knobs
+COMPARE := --profile-for eagle=$(KNOBS)/eagle2-paper.yaml --profile-for sps=$(KNOBS)/sps-gamma4.yaml --threads 2
+bench-compare: setup
+	$(FAST_ENV) $(BIN)/dart-ray bench --prompts humaneval --limit 12 --methods ar,ngram,sps,medusa,eagle,dart,hf,hf-pld \
+	  $(COMPARE) --out $(RUNS)/cmp-humaneval-bs1.json
+	$(FAST_ENV) $(BIN)/dart-ray bench --prompts chat --chat --limit 12 --methods ar,ngram,sps,medusa,eagle,dart,hf,hf-pld \
+	  $(COMPARE) --out $(RUNS)/cmp-chat-bs1.json
+	$(FAST_ENV) $(BIN)/dart-ray bench --prompts humaneval --limit 16 --batch-size 4 --methods ar,ngram,sps,medusa,eagle,dart,hf \
+	  $(COMPARE) --out $(RUNS)/cmp-humaneval-bs4.json
+	$(FAST_ENV) $(BIN)/dart-ray bench --prompts chat --chat --limit 16 --batch-size 4 --methods ar,ngram,sps,medusa,eagle,dart,hf \
+	  $(COMPARE) --out $(RUNS)/cmp-chat-bs4.json
 
 gpu-check: setup
 	bash scripts/gpu_check.sh

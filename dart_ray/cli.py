@@ -6,7 +6,6 @@ Heavy imports happen inside each subcommand so ``dart-ray --help`` is instant.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -131,7 +130,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_prompts(a: argparse.Namespace) -> int:
     from dart_ray.bench.prompts import load_prompts, write_jsonl
 
-    prompts = load_prompts(a.source, limit=a.limit)
+    prompts = load_prompts(a.source)[a.skip:]
+    if a.limit is not None:
+        prompts = prompts[:a.limit]
     write_jsonl(prompts, a.out)
     print(f"wrote {len(prompts)} prompts to {a.out}")
     return 0
@@ -201,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("source")
     pr.add_argument("--out", required=True)
     pr.add_argument("--limit", type=int, default=None)
+    pr.add_argument("--skip", type=int, default=0, help="drop the first N prompts (e.g. the ones bench uses)")
     pr.set_defaults(func=cmd_prompts)
     for name in DELEGATED:
         sub.add_parser(name, help=f"see `dart-ray {name} --help`", add_help=False)

@@ -15,10 +15,14 @@ def main(paths: list[str]) -> None:
         print(f"### {Path(p).stem}: {c['n_prompts']} prompts, bs {c['batch_size']}, {c['dtype']}, "
               f"{c['max_new_tokens']} new tokens, {c['threads']} threads, chat={c['chat']}\n")
         print(format_table(rep))
-        d = rep["methods"].get("dart")
-        if d and d.get("accepted_per_depth"):
-            acc = ", ".join(f"{a:.2f}" for a in d["accepted_per_depth"])
-            print(f"\nDART acceptance rate per tree depth (fraction of steps accepting depth i): {acc}")
+        lines = []
+        for m, d in rep["methods"].items():
+            if d.get("accepted_per_depth"):
+                acc = ", ".join(f"{a:.2f}" for a in d["accepted_per_depth"][:8])
+                lines.append(f"- {m}: {acc}")
+        if lines:
+            print("\nAcceptance rate per tree depth (fraction of steps accepting depth i):\n")
+            print("\n".join(lines))
         print()
 
 

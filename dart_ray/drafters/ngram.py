@@ -11,7 +11,6 @@ its most likely next tokens is proposed instead.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from dart_ray.drafters.base import BatchView, Drafter
 from dart_ray.tree import TokenTree, pack_trees

@@ -101,7 +101,7 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
              "|---|" + "---|" * len(ev["top1"]),
              "| top-1 | " + " | ".join(f"{a:.3f}" for a in ev["top1"]) + " |",
              "| top-5 | " + " | ".join(f"{a:.3f}" for a in ev["top5"]) + " |", "",
-             f"Expected accepted length of a greedy chain (1 + leading correct levels"
+             "Expected accepted length of a greedy chain (1 + leading correct levels"
              + (f", chains of {cfg['depth']} draft-model tokens" if arch == "sps" else "")
              + f"): **{ev['chain_tau']:.2f}** (trees accept more: see the measured tau below).", ""]
     for bj in bench_json or []:
