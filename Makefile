@@ -40,11 +40,12 @@ test-fast: setup
 
 # Reproduce the shipped drafter + N-gram model for SmolLM2 (see dart_ray/artifacts/*/CARD.md).
 artifacts: setup
-	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(RUNS)/sd-data --n-code 1200 --n-chat 400 \
-	  --max-new-tokens 128 --batch-size 16 --threads 2
+	# 17 shards x 64 prompts of self-distillation (~45 min) + 700k tokens of teacher-only stdlib text
+	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(RUNS)/sd-data --n-code 1200 --n-chat 400 --max-shards 17 \
+	  --max-new-tokens 128 --batch-size 16 --threads 2 --text-tokens 700000
 	# DART and the three baselines (EAGLE-style, Medusa, SpS) on the same batches: equal data and steps
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(RUNS)/sd-data --out $(RUNS)/drafters \
-	  --arch dart:8,eagle:6,medusa:4,sps:6 --epochs 1 --seqs-per-step 4 --max-len 320 --threads 2
+	  --arch dart:8,eagle:6,medusa:4,sps:6 --epochs 1.3 --seqs-per-step 4 --max-len 320 --threads 2 --eval-every 350
 	$(BIN)/dart-ray ship --run $(RUNS)/drafters/dart --data $(RUNS)/sd-data --command "make artifacts"
 	for a in eagle medusa sps; do \
 	  $(BIN)/dart-ray ship --run $(RUNS)/drafters/$$a --command "make artifacts" || exit 1; done

@@ -21,6 +21,8 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shards", type=int, default=None,
+                   help="generate only the first N shards of 64 prompts (rerun without it to extend)")
     p.add_argument("--text-tokens", type=int, default=0,
                    help="also write this many tokens of raw stdlib source as teacher-only training text")
     a = p.parse_args(argv)
@@ -31,7 +33,7 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
     if a.n_code + a.n_chat == 0:
         return 0
     out = generate_data(a.out, a.n_code, a.n_chat, a.max_new_tokens, a.batch_size, a.temperature, a.model,
-                        a.dtype, seed=a.seed, threads=a.threads)
+                        a.dtype, seed=a.seed, threads=a.threads, max_shards=a.max_shards)
     print(f"data in {out}")
     return 0
 

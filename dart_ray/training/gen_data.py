@@ -26,8 +26,10 @@ def split_of(prompt: str, val_frac: float) -> str:
 def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500, max_new_tokens: int = 128,
                   batch_size: int = 16, temperature: float = 0.0, model: str | None = None, dtype: str = "bf16",
                   method: str = "ngram", shard_size: int = 64, seed: int = 0, val_frac: float = 0.05,
-                  threads: int | None = None, progress: bool = True, corpus: list[dict] | None = None) -> Path:
-    """Generate target answers for ``corpus`` (default: :func:`build_corpus`) into parquet shards."""
+                  threads: int | None = None, progress: bool = True, corpus: list[dict] | None = None,
+                  max_shards: int | None = None) -> Path:
+    """Generate target answers for ``corpus`` (default: :func:`build_corpus`) into parquet shards
+    (only the first ``max_shards`` shards when given: a budgeted run that a later call may extend)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -37,7 +39,7 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500, ma
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = corpus if corpus is not None else build_corpus(n_code, n_chat, seed)
-    shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)]
+    shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)][:max_shards]
     todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.parquet").is_file()]
     if not todo:
         return out
