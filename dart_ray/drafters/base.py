@@ -53,6 +53,13 @@ class BatchView:
         return ctx
 
 
+def to_target_vocab(logits: torch.Tensor, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[..., Vd] logits over a reduced draft vocabulary (ids ``d2t`` [Vd]) -> [..., V] with -inf
+    outside it, so the tree search and the sampler see target token ids."""
+    full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
+    return full.scatter_(-1, d2t.expand_as(logits), logits)
+
+
 class Drafter(abc.ABC):
     """One drafting method. Subclasses set ``name`` and ``taps``."""
 

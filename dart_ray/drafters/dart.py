@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from dart_ray.drafters.base import BatchView, Drafter
+from dart_ray.drafters.base import BatchView, Drafter, to_target_vocab
 from dart_ray.drafters.dart_model import DartModel
 from dart_ray.kv_cache import KVCache
 from dart_ray.masks import attention_mask
@@ -79,15 +79,15 @@ class DartDrafter(Drafter):
         self.pending[row] = None
 
     # ---- drafting ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def draft_logits(self, B: int, depth: int) -> torch.Tensor:
-        """One drafter forward over rows 0..B-1 -> [B, depth, V] float32 level logits."""
+    def _context_block(self, B: int, M: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One layer pass over every row's pending context (committed to the drafter cache) followed
+        by ``M`` mask slots (scratch, never committed) -> (layer output [B, P+M, H] pre-norm,
+        pending lengths [B, 1], P = the padded context length)."""
         from torch.nn.utils.rnn import pad_sequence
 
-        M = depth - 1
         pend = [self.pending[b] for b in range(B)]
         if any(p is None for p in pend):
-            raise RuntimeError("DART drafter has no pending context for a running row")
+            raise RuntimeError(f"{self.name} drafter has no pending context for a running row")
         P_b = [p[0].shape[0] for p in pend]
         P = max(P_b)
         h_ctx = pad_sequence([p[0] for p in pend], batch_first=True)      # [B, P, 2H]
@@ -114,16 +114,22 @@ class DartDrafter(Drafter):
         anc = anc | torch.eye(T, dtype=torch.bool, device=dev)             # pads see themselves
         s_used = self.cache.begin_write(slice(0, B), T, starts)
         mask = attention_mask(starts, anc, s_used, h.dtype)
-        hidden = self.model.layer(h, resid, positions, mask, self.cache, s_used)  # [B, T, H]
-        sel = torch.cat([plen - 1, P + torch.arange(M, device=dev)[None, :].expand(B, M)], dim=1)  # [B, d]
-        hsel = torch.gather(hidden, 1, sel.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))        # [B, d, H]
-        logits = self.model.logits(hsel, self.head_weight).float()        # [B, d, Vd]
+        x = self.model.layer_out(h, resid, positions, mask, self.cache, s_used)  # [B, T, H]
         self.cache.commit_all(slice(0, B), P_b)
         for b in range(B):
             self.pending[b] = None
+        return x, plen, P
+
+    @torch.inference_mode()
+    def draft_logits(self, B: int, depth: int) -> torch.Tensor:
+        """One drafter forward over rows 0..B-1 -> [B, depth, V] float32 level logits."""
+        M = depth - 1
+        x, plen, P = self._context_block(B, M)                             # [B, P+M, H]
+        sel = torch.cat([plen - 1, P + torch.arange(M, device=x.device)[None, :].expand(B, M)], dim=1)  # [B, d]
+        hsel = torch.gather(x, 1, sel.unsqueeze(-1).expand(-1, -1, x.shape[-1]))                        # [B, d, H]
+        logits = self.model.logits(self.model.norm(hsel), self.head_weight).float()                    # [B, d, Vd]
         if self.cfg.draft_vocab is not None:
-            full = logits.new_full((B, depth, self.cfg.target_vocab), float("-inf"))
-            logits = full.scatter_(2, self.model.d2t.expand(B, depth, -1), logits)
+            logits = to_target_vocab(logits, self.model.d2t, self.cfg.target_vocab)
         return logits
 
     def propose(self, view: BatchView) -> TokenTree:

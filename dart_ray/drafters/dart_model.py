@@ -14,13 +14,13 @@ root's embedding) predicts x_{n+1}; mask slot m predicts x_{n+1+m}.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from dart_ray.drafters.persist import load_drafter, save_drafter
 from dart_ray.models.args import ModelArgs
 from dart_ray.models.llama import MLP, Attention, RMSNorm
 from dart_ray.models.rope import rope_tables
@@ -172,31 +172,8 @@ class DartModel(nn.Module):
 
     # ---- persistence ---------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / "model.safetensors"))
-        (path / "dart_config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+        save_drafter(self, self.cfg, path, "dart_config.json")
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "DartModel":
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        cfg_file, w_file = path / "dart_config.json", path / "model.safetensors"
-        for f in (cfg_file, w_file):
-            if not f.is_file():
-                raise FileNotFoundError(f"DART drafter file missing: {f}")
-        raw = json.loads(cfg_file.read_text())
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{cfg_file}: unsupported drafter format_version {raw.get('format_version')}")
-        cfg = DartConfig(**raw)
-        model = cls(cfg)
-        try:
-            state = load_file(str(w_file))
-        except Exception as e:
-            raise ValueError(f"corrupt drafter weights {w_file}: {e}") from e
-        model.load_state_dict(state, strict=True)
-        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        return load_drafter(cls, DartConfig, path, "dart_config.json", FORMAT_VERSION, "DART drafter", dtype, device)

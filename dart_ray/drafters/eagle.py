@@ -39,32 +39,9 @@ class EagleDrafter(DartDrafter):
     @torch.inference_mode()
     def _context_forward(self, B: int) -> torch.Tensor:
         """Append every row's pending context to the drafter cache -> [B, H] layer output (pre-norm)
-        at each row's last context position."""
-        from torch.nn.utils.rnn import pad_sequence
-
-        from dart_ray.masks import attention_mask
-
-        pend = [self.pending[b] for b in range(B)]
-        if any(p is None for p in pend):
-            raise RuntimeError("EAGLE drafter has no pending context for a running row")
-        P_b = [p[0].shape[0] for p in pend]
-        P = max(P_b)
-        h = pad_sequence([p[0] for p in pend], batch_first=True)                   # [B, P, 2H]
-        resid = pad_sequence([p[1] for p in pend], batch_first=True)               # [B, P, H]
-        dev = h.device
-        starts = self.cache.lengths[:B]
-        plen = torch.tensor(P_b, device=dev)[:, None]                              # [B, 1]
-        t = torch.arange(P, device=dev)
-        positions = torch.tensor(starts, device=dev)[:, None] + torch.minimum(t[None, :], plen - 1)  # [B, P]
-        q, k = t[:, None], t[None, :]
-        anc = ((k <= q) & (k[None] < plen[:, :, None])) | torch.eye(P, dtype=torch.bool, device=dev)  # [B, P, P]
-        s_used = self.cache.begin_write(slice(0, B), P, starts)
-        x = self.model.layer_out(h, resid, positions, attention_mask(starts, anc, s_used, h.dtype),
-                                 self.cache, s_used)                               # [B, P, H]
-        self.cache.commit_all(slice(0, B), P_b)
-        for b in range(B):
-            self.pending[b] = None
-        return x[torch.arange(B, device=dev), plen[:, 0] - 1]                      # [B, H]
+        at each row's last context position (DART's context pass without mask slots)."""
+        x, plen, _ = self._context_block(B, 0)                                     # [B, P, H]
+        return x[torch.arange(B, device=x.device), plen[:, 0] - 1]                 # [B, H]
 
     def _logp(self, x: torch.Tensor) -> torch.Tensor:
         """[.., H] layer output -> [.., Vd] float32 draft log-probs."""

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from dart_ray.drafters.base import BatchView, Drafter
+from dart_ray.drafters.base import BatchView, Drafter, to_target_vocab
 from dart_ray.drafters.medusa_model import MedusaModel
 from dart_ray.tree import TokenTree
 
@@ -44,8 +44,7 @@ class MedusaDrafter(Drafter):
     def draft_logits(self, B: int, depth: int) -> torch.Tensor:
         """[B, depth, V] float32 level logits (-inf outside the draft vocabulary)."""
         logits = self.model(self.last[:B])[:, :depth].float()                       # [B, depth, Vd]
-        full = logits.new_full((B, depth, self.cfg.target_vocab), float("-inf"))
-        return full.scatter_(2, self.model.d2t.expand(B, depth, -1), logits)
+        return to_target_vocab(logits, self.model.d2t, self.cfg.target_vocab)
 
     def propose(self, view: BatchView) -> TokenTree:
         from dart_ray.tree.search import build_trees

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dart_ray.drafters.base import BatchView, Drafter
+from dart_ray.drafters.base import BatchView, Drafter, to_target_vocab
 from dart_ray.drafters.sps_model import SpsModel
 from dart_ray.kv_cache import KVCache
 from dart_ray.masks import attention_mask, causal_ancestors
@@ -71,8 +71,7 @@ class SpsDrafter(Drafter):
         tok = d2t[logits.argmax(dim=-1)]                                          # greedy rows
         if not sampled:
             return tok, None
-        B = logits.shape[0]
-        full = logits.new_full((B, self.vocab), float("-inf")).scatter_(1, d2t.expand(B, -1), logits)
+        full = to_target_vocab(logits, d2t, self.vocab)                            # [B, V]
         q = torch.zeros_like(full)
         idx = torch.tensor(sampled, device=logits.device)
         sp = [params[b] for b in sampled]

@@ -11,14 +11,14 @@ draft vocabulary get probability 0 under q, which keeps rejection sampling exact
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from dart_ray.kv_cache import KVCache
+from dart_ray.drafters.persist import load_drafter, save_drafter
 from dart_ray.models.args import ModelArgs
 from dart_ray.models.llama import Block, RMSNorm
 from dart_ray.models.rope import rope_tables
@@ -111,30 +111,8 @@ class SpsModel(nn.Module):
 
     # ---- persistence ---------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
-                  str(path / "model.safetensors"))
-        (path / CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=2))
+        save_drafter(self, self.cfg, path, CONFIG_FILE)
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "SpsModel":
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        cfg_file, w_file = path / CONFIG_FILE, path / "model.safetensors"
-        for f in (cfg_file, w_file):
-            if not f.is_file():
-                raise FileNotFoundError(f"draft model file missing: {f}")
-        raw = json.loads(cfg_file.read_text())
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{cfg_file}: unsupported format_version {raw.get('format_version')}")
-        model = cls(SpsConfig(**raw))
-        try:
-            state = load_file(str(w_file))
-        except Exception as e:
-            raise ValueError(f"corrupt draft model weights {w_file}: {e}") from e
-        model.load_state_dict(state, strict=True)
-        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        return load_drafter(cls, SpsConfig, path, CONFIG_FILE, FORMAT_VERSION, "draft model", dtype, device)
