@@ -75,6 +75,16 @@ class DecodingConfig:
     eps: float = 1e-6
     """Floor added to probabilities before the log."""
 
+    lookup_paths: int = 0
+    """DART only: prompt-lookup continuations merged into the tree (0 = off, the tree is DART's alone).
+    The longest suffix (``lookup_min_match``..3 tokens) of the committed text + root that occurred
+    earlier in the same sequence proposes what followed it, up to ``chunk_len`` tokens per path, most
+    recent occurrence first; shared prefixes reuse DART's nodes. Adds at most
+    ``lookup_paths * chunk_len`` nodes on top of ``tree_budget``."""
+
+    lookup_min_match: int = 2
+    """Shortest suffix match (tokens) that may propose a lookup path; 1 proposes after any repeated token."""
+
     def __post_init__(self) -> None:
         _check(1 <= self.chunk_len <= 32, f"chunk_len must be in [1, 32], got {self.chunk_len}")
         _check(1 <= self.top_k <= 256, f"top_k must be in [1, 256], got {self.top_k}")
@@ -86,6 +96,8 @@ class DecodingConfig:
         _check(0.0 < self.logit_weight_base <= 1.0,
                f"logit_weight_base must be in (0, 1], got {self.logit_weight_base}")
         _check(0.0 < self.eps < 1.0, f"eps must be in (0, 1), got {self.eps}")
+        _check(0 <= self.lookup_paths <= 16, f"lookup_paths must be in [0, 16], got {self.lookup_paths}")
+        _check(1 <= self.lookup_min_match <= 3, f"lookup_min_match must be in [1, 3], got {self.lookup_min_match}")
 
     def replace(self, **changes) -> "DecodingConfig":
         """A copy with ``changes`` applied (validated)."""
@@ -176,6 +188,11 @@ class EngineConfig:
 
     num_threads: int | None = None
     """torch intra-op threads on CPU; None leaves torch's default."""
+
+    pack_weights: bool | None = None
+    """Prepack the target's linear weights for oneDNN (``dart_ray.models.packing``). None = auto:
+    on where it is measured to help (CPU, bf16, oneDNN bf16 support). Packing is applied to the
+    loaded target in place and is idempotent; packed linears are inference-only."""
 
     seed: int = 0
     """Seed for randomly initialised drafters (``drafter="random"``)."""

@@ -304,3 +304,17 @@ def test_bench_runs_every_own_method(tiny_dirs, tiny_baselines, tmp_path):
         assert e["tokens_per_s"] > 0 and e["mean_accepted_len"] >= 1.0
     assert rep["config"]["decodings"]["sps"]["chunk_len"] == 3
     assert "| eagle |" in format_table(rep)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dart_with_lookup_paths_equals_ar_and_accepts_more(tiny, ar_out, batch):
+    """DART's tree with prompt-lookup paths merged in stays exact; on the repetitive prompts the
+    merged paths are accepted (an untrained drafter alone accepts almost nothing)."""
+    base = DecodingConfig(tree_budget=8, top_k=4, beam_width=3)
+    plain = make_engine(tiny, "dart", "random", batch=batch, decoding=base)
+    merged = make_engine(tiny, "dart", "random", batch=batch,
+                         decoding=base.replace(lookup_paths=2, lookup_min_match=1))
+    assert merged.drafter.max_tree_nodes(merged.decoding) == 8 + 2 * 8
+    assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == ar_out
+    assert [o.token_ids for o in merged.generate(PROMPTS, GREEDY)] == ar_out
+    assert merged.stats().mean_accepted_len > plain.stats().mean_accepted_len

@@ -263,3 +263,17 @@ def test_ship_baseline_writes_card_and_checks_size(tmp_path, tiny):
     assert "Medusa heads" in card and "1.60" in card and "jointly with dart" in card
     assert MedusaModel.load(dest / "medusa").cfg.depth == 2
     assert not (dest / "CARD.md").exists()  # the DART card is not touched by a baseline
+
+
+def test_batch_stream_resume_replays_across_epochs():
+    """A run resumed at step s (here past an epoch boundary) sees the uninterrupted run's batches."""
+    from itertools import islice
+
+    from dart_ray.training.trainer import _batch_stream
+
+    seqs = [([i] * 5, "code") for i in range(7)]          # 3 batches of 2 per epoch
+    full = list(islice(_batch_stream(seqs, 2, 4, seed=3), 8))
+    resumed = list(islice(_batch_stream(seqs, 2, 4, seed=3, skip=5), 3))
+    assert resumed == full[5:8]
+    assert full[:3] != full[3:6]                           # each epoch draws a new permutation
+    assert all(len(s) == 4 for b in full for s in b)       # truncated to max_len

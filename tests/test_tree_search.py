@@ -17,7 +17,7 @@ from dart_ray.tree.search import (
     build_trees,
     build_trees_with_scores,
 )
-from dart_ray.tree.tree import TokenTree
+from dart_ray.tree.tree import TokenTree, merge_paths, pack_trees
 
 EPS = 1e-6
 
@@ -516,3 +516,23 @@ def test_benchmark_realistic(capsys):
         print(f"\n[tree search benchmark, V={V}, d=8, k=25, beams=20, budget=60]")
         for name, ms in rows:
             print(f"  {name:<28s} {ms:7.3f} ms/call (median)")
+
+
+def test_merge_paths_shares_prefixes_and_appends():
+    roots = torch.tensor([7, 9])
+    # row 0: root -> 1 -> 2, root -> 3 ; row 1: root -> 4 (plus one padding node)
+    tree = pack_trees(roots, [([1, 2, 3], [0, 1, 0]), ([4], [0])])
+    merged = merge_paths(tree, [[[1, 2, 5, 6], [3]], [[8], [4, 4]]])
+    merged.validate()
+    rows = [(merged.tokens[b, 1:][merged.valid[b, 1:]].tolist(), merged.parents[b, 1:][merged.valid[b, 1:]].tolist())
+            for b in range(2)]
+    assert rows[0] == ([1, 2, 3, 5, 6], [0, 1, 0, 2, 4])      # 1,2 and 3 reused; 5, 6 appended
+    assert rows[1] == ([4, 8, 4], [0, 0, 1])
+    assert merged.depths[0, 1:6].tolist() == [1, 2, 1, 3, 4]
+    assert merged.tokens[:, 0].tolist() == [7, 9]
+    assert merge_paths(tree, [[], []]).tokens.tolist() == tree.tokens.tolist()   # nothing to add
+    with pytest.raises(ValueError, match="rows"):
+        merge_paths(tree, [[]])
+    sampled = TokenTree(tree.tokens, tree.parents, tree.depths, tree.valid, torch.zeros(2, 4, 10))
+    with pytest.raises(ValueError, match="draft_probs"):
+        merge_paths(sampled, [[], []])

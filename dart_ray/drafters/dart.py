@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from dart_ray.drafters.base import BatchView, Drafter, to_target_vocab
 from dart_ray.drafters.dart_model import DartModel
 from dart_ray.kv_cache import KVCache
 from dart_ray.masks import attention_mask
-from dart_ray.tree import TokenTree
+from dart_ray.drafters.ngram import lookup_continuations
+from dart_ray.tree import TokenTree, merge_paths
 
 
 class DartDrafter(Drafter):
@@ -142,5 +144,21 @@ class DartDrafter(Drafter):
         t0 = time.perf_counter()
         ctx = view.tail_context(max(getattr(self.ngram, "order", 3) - 2, 1))
         tree = build_trees(view.roots, logits, cfg, context=ctx, ngram=self.ngram)
+        if cfg.lookup_paths:
+            tree = merge_paths(tree, self._lookup_paths(view, depth))
         self.tree_time_s += time.perf_counter() - t0
         return tree
+
+    def max_tree_nodes(self, decoding) -> int:
+        return decoding.tree_budget + decoding.lookup_paths * min(decoding.chunk_len, self.max_depth)
+
+    def _lookup_paths(self, view: BatchView, depth: int) -> list[list[list[int]]]:
+        """Per row: continuations of the text's suffix found earlier in the same sequence."""
+        cfg = view.decoding
+        roots = view.roots.tolist()
+        out = []
+        for b in range(view.batch_size):
+            seq = np.append(view.tokens[b, :view.lengths[b]], roots[b])
+            out.append(lookup_continuations(seq, depth, cfg.lookup_paths, max_match=3,
+                                            min_match=cfg.lookup_min_match))
+        return out

@@ -50,6 +50,9 @@ class EagleDrafter(DartDrafter):
     def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.d2t[ids] if self.cfg.draft_vocab is not None else ids
 
+    def max_tree_nodes(self, decoding) -> int:
+        return decoding.tree_budget  # no lookup paths: the EAGLE-2 tree is its own
+
     @torch.inference_mode()
     def propose(self, view: BatchView) -> TokenTree:
         cfg = view.decoding

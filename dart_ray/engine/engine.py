@@ -79,6 +79,7 @@ class Engine:
         self.eos_ids = frozenset(self._eos_ids())
         self.device = self.model.embed.weight.device
         self.dtype = self.model.embed.weight.dtype
+        self._maybe_pack(config.pack_weights)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -92,6 +93,18 @@ class Engine:
         target = load_target(config.model, config.dtype, config.device, config.max_seq_len)
         drafter = make_drafter(config, target)
         return cls(target, drafter, config)
+
+    def _maybe_pack(self, pack: bool | None) -> None:
+        from dart_ray.models.packing import pack_linears, packing_supported
+
+        supported = packing_supported(self.device, self.dtype) and isinstance(self.model, torch.nn.Module)
+        if pack and not supported:
+            raise ValueError(f"pack_weights=True needs a local (not TP-proxied) model on CPU in bf16 with "
+                             f"oneDNN bf16 support (device {self.device}, dtype {self.dtype})")
+        if pack is None:
+            pack = supported
+        if pack:
+            pack_linears(self.model)
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.target.args.eos_token_ids)

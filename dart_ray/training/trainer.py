@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from dart_ray.drafters.dart_model import DartConfig, DartModel
+from dart_ray.models.packing import pack_linears, packing_supported
 from dart_ray.models.rope import apply_rope
 
 
@@ -342,6 +343,18 @@ def _batches(seqs, n: int, max_len: int, rng: torch.Generator):
         yield [seqs[k][0][:max_len] for k in order[i:i + n]]
 
 
+def _batch_stream(seqs, n: int, max_len: int, seed: int, skip: int = 0):
+    """Batches epoch after epoch (a fresh seeded permutation each), after the first ``skip``: a run
+    resumed at step s sees exactly the batches an uninterrupted run sees from step s on."""
+    rng = torch.Generator().manual_seed(seed)
+    while True:
+        for batch in _batches(seqs, n, max_len, rng):
+            if skip > 0:
+                skip -= 1
+                continue
+            yield batch
+
+
 def _pad(batch: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
     lens = [len(s) for s in batch]
     t = torch.zeros(len(batch), max(lens), dtype=torch.long)
@@ -497,48 +510,44 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         raise RuntimeError(f"joint students resumed at different steps {[s.step for s in students]}; "
                            "delete the lagging checkpoint or train them separately")
     tap_order = tuple(sorted({t for s in students for t in s.taps}))
-    rng = torch.Generator().manual_seed(cfg.seed)
+    if packing_supported("cpu", target.embed.weight.dtype):
+        pack_linears(target)  # the frozen teacher only runs inference; students were built (and copied) above
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=total, initial=step, desc="train-drafter " + ",".join(archs), unit="step")
     t_start = time.perf_counter()
     tokens_seen = 0
-    epoch = 0
-    done = step >= total
-    while not done:
-        for i, batch in enumerate(_batches(train_seqs, cfg.seqs_per_step, cfg.max_len, rng)):
-            if epoch == 0 and i < step % max(steps_per_epoch, 1) and i < step:
-                continue  # skip batches consumed before a resume (same permutation)
-            tokens, lens = _pad(batch)
-            t0 = time.perf_counter()
-            taps, top_id, top_lp = teacher_pass(target, cache, tokens, lens, tap_order, cfg.teacher_topk)
-            teacher_s = (time.perf_counter() - t0) / len(students)  # the shared teacher pass, split evenly
-            losses = {}
-            for st in students:
-                ids, p, valid = level_targets(top_id, top_lp, t2d, level_count(st.cfg), lens)
-                losses[st.cfg.arch] = st.update(target, _select_taps(taps, tap_order, st.taps, args.hidden_size),
-                                                tokens, ids, p, valid)
-                st.wall_s += teacher_s
-            step += 1
-            tokens_seen += sum(lens)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(**{k: f"{v:.3f}" for k, v in losses.items()},
-                                tok_s=f"{tokens_seen / (time.perf_counter() - t_start):.0f}")
-            out_of_time = cfg.time_budget_s and time.perf_counter() - t_start > cfg.time_budget_s
-            for st in students:
-                if step % cfg.eval_every == 0 or step == total:
-                    ev = evaluate(st.model, target, cache, embed, val_seqs, st.cfg, t2d)
-                    st.history["eval"].append((step, ev))
-                    print(f"\n{st.cfg.arch} step {step}: top1 {[round(a, 3) for a in ev['top1']]} "
-                          f"chain_tau {ev['chain_tau']:.2f}")
-                if step % cfg.ckpt_every == 0 or step >= total or out_of_time:
-                    st.save_checkpoint()
-            if step >= total or out_of_time:
-                done = True
-                break
-        epoch += 1
+    batches = _batch_stream(train_seqs, cfg.seqs_per_step, cfg.max_len, cfg.seed, skip=step)
+    while step < total:
+        batch = next(batches)
+        tokens, lens = _pad(batch)
+        t0 = time.perf_counter()
+        taps, top_id, top_lp = teacher_pass(target, cache, tokens, lens, tap_order, cfg.teacher_topk)
+        teacher_s = (time.perf_counter() - t0) / len(students)  # the shared teacher pass, split evenly
+        losses = {}
+        for st in students:
+            ids, p, valid = level_targets(top_id, top_lp, t2d, level_count(st.cfg), lens)
+            losses[st.cfg.arch] = st.update(target, _select_taps(taps, tap_order, st.taps, args.hidden_size),
+                                            tokens, ids, p, valid)
+            st.wall_s += teacher_s
+        step += 1
+        tokens_seen += sum(lens)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(**{k: f"{v:.3f}" for k, v in losses.items()},
+                            tok_s=f"{tokens_seen / (time.perf_counter() - t_start):.0f}")
+        out_of_time = cfg.time_budget_s and time.perf_counter() - t_start > cfg.time_budget_s
+        for st in students:
+            if step % cfg.eval_every == 0 or step == total:
+                ev = evaluate(st.model, target, cache, embed, val_seqs, st.cfg, t2d)
+                st.history["eval"].append((step, ev))
+                print(f"\n{st.cfg.arch} step {step}: top1 {[round(a, 3) for a in ev['top1']]} "
+                      f"chain_tau {ev['chain_tau']:.2f}")
+            if step % cfg.ckpt_every == 0 or step >= total or out_of_time:
+                st.save_checkpoint()
+        if out_of_time:
+            break
     if bar is not None:
         bar.close()
     summaries = {}

@@ -1,7 +1,7 @@
 """Token trees: the data structure and the N-gram-pruned beam search that builds them."""
 
 from dart_ray.tree.search import NGramScorer, build_trees, build_trees_with_scores
-from dart_ray.tree.tree import TokenTree, ancestor_mask, chain_tree, empty_tree, pack_trees
+from dart_ray.tree.tree import TokenTree, ancestor_mask, chain_tree, empty_tree, merge_paths, pack_trees
 
 __all__ = [
     "NGramScorer",
@@ -11,5 +11,6 @@ __all__ = [
     "build_trees_with_scores",
     "chain_tree",
     "empty_tree",
+    "merge_paths",
     "pack_trees",
 ]

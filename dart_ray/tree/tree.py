@@ -151,3 +151,43 @@ def pack_trees(roots: torch.Tensor, trees: list[tuple[list[int], list[int]]]) ->
         for i, p in enumerate(pars, start=1):
             d[i] = d[p] + 1
     return TokenTree(tokens, parents, depths, valid).to(roots.device)
+
+
+def merge_paths(tree: TokenTree, paths: list[list[list[int]]]) -> TokenTree:
+    """Add token paths (each starting below the root) to every row's tree, sharing existing nodes.
+
+    ``paths[b]`` is a list of token lists for row b. A path follows existing children while their
+    tokens match and appends new nodes after that (children after parents, so the result stays
+    topologically ordered). Invalid (padding) nodes are dropped. Only deterministic trees can be
+    merged (``draft_probs`` is None).
+    """
+    if tree.draft_probs is not None:
+        raise ValueError("merge_paths: trees with sampled drafts (draft_probs) cannot take extra paths")
+    if len(paths) != tree.batch_size:
+        raise ValueError(f"merge_paths: {len(paths)} path lists for {tree.batch_size} rows")
+    toks, pars, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+    rows: list[tuple[list[int], list[int]]] = []
+    for b in range(tree.batch_size):
+        new_index = {0: 0}
+        tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}
+        for i in range(1, len(toks[b])):
+            if not valid[b][i]:
+                continue
+            p = new_index[pars[b][i]]
+            tokens.append(toks[b][i])
+            parents.append(p)
+            new_index[i] = len(tokens)
+            children.setdefault((p, toks[b][i]), len(tokens))
+        for path in paths[b]:
+            node = 0
+            for t in path:
+                nxt = children.get((node, t))
+                if nxt is None:
+                    tokens.append(t)
+                    parents.append(node)
+                    nxt = children[(node, t)] = len(tokens)
+                node = nxt
+        rows.append((tokens, parents))
+    return pack_trees(tree.tokens[:, 0], rows)
