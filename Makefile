@@ -14,7 +14,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare artifacts gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals artifacts gpu-check clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,7 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q tests -m "not slow"
 
-# Reproduce the shipped drafter + N-gram model for SmolLM2 (see dart_ray/artifacts/*/CARD.md).
+# Reproduce the shipped drafters + N-gram model for SmolLM2 (see dart_ray/artifacts/*/CARD.md), ~2 h 10 min.
 artifacts: setup
 	# 17 shards x 64 prompts of self-distillation (~45 min) + 700k tokens of teacher-only stdlib text
 	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(RUNS)/sd-data --n-code 1200 --n-chat 400 --max-shards 17 \
@@ -46,7 +46,11 @@ artifacts: setup
 	# DART and the three baselines (EAGLE-style, Medusa, SpS) on the same batches: equal data and steps
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(RUNS)/sd-data --out $(RUNS)/drafters \
 	  --arch dart:8,eagle:6,medusa:4,sps:6 --epochs 1.3 --seqs-per-step 4 --max-len 320 --threads 2 --eval-every 350
-	$(BIN)/dart-ray ship --run $(RUNS)/drafters/dart --data $(RUNS)/sd-data --command "make artifacts"
+	# DART continues alone from the joint checkpoint: 4 epochs in all, stopped by a 45-minute budget
+	mkdir -p $(RUNS)/drafters-long && cp -rn $(RUNS)/drafters/dart/checkpoint $(RUNS)/drafters-long/
+	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(RUNS)/sd-data --out $(RUNS)/drafters-long --arch dart:8 \
+	  --epochs 4 --seqs-per-step 4 --max-len 320 --threads 2 --eval-every 400 --time-budget 2700
+	$(BIN)/dart-ray ship --run $(RUNS)/drafters-long --data $(RUNS)/sd-data --command "make artifacts"
 	for a in eagle medusa sps; do \
 	  $(BIN)/dart-ray ship --run $(RUNS)/drafters/$$a --command "make artifacts" || exit 1; done
 
@@ -71,6 +75,19 @@ bench-compare: setup
 	  $(COMPARE) --out $(RUNS)/cmp-humaneval-bs4.json
 	$(FAST_ENV) $(BIN)/dart-ray bench --prompts chat --chat --limit 16 --batch-size 4 --methods ar,ngram,sps,medusa,eagle,dart,hf \
 	  $(COMPARE) --out $(RUNS)/cmp-chat-bs4.json
+
+# issue 4: the goal table — DART with the shipped tuned profiles against AR, ngram and transformers.
+# Tune prompts are disjoint from these (HumanEval 40+, chat set 20+).
+GOALS := --threads 2 --profile-for dart=code
+bench-goals: setup
+	$(FAST_ENV) $(BIN)/dart-ray bench --prompts humaneval --limit 12 --methods ar,ngram,dart,hf,hf-pld \
+	  $(GOALS) --out $(RUNS)/goals-humaneval-bs1.json
+	$(FAST_ENV) $(BIN)/dart-ray bench --prompts chat --chat --limit 12 --methods ar,ngram,dart,hf,hf-pld \
+	  --threads 2 --profile-for dart=chat --out $(RUNS)/goals-chat-bs1.json
+	$(FAST_ENV) $(BIN)/dart-ray bench --prompts humaneval --limit 16 --batch-size 4 --methods ar,ngram,dart \
+	  $(GOALS) --out $(RUNS)/goals-humaneval-bs4.json
+	$(FAST_ENV) $(BIN)/dart-ray bench --prompts humaneval --limit 32 --batch-size 16 --methods ar,ngram,dart \
+	  $(GOALS) --out $(RUNS)/goals-humaneval-bs16.json
 
 gpu-check: setup
 	bash scripts/gpu_check.sh

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
 from dart_ray.drafters import Drafter, make_drafter
@@ -318,3 +319,40 @@ def test_dart_with_lookup_paths_equals_ar_and_accepts_more(tiny, ar_out, batch):
     assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == ar_out
     assert [o.token_ids for o in merged.generate(PROMPTS, GREEDY)] == ar_out
     assert merged.stats().mean_accepted_len > plain.stats().mean_accepted_len
+
+
+def test_divergence_gaps_measure_the_split(tiny, ar_out):
+    """The bench's near-tie diagnostic: the gap is the target's logit difference at the first
+    divergence (small for a runner-up token, large for a wrong one); equal outputs give none."""
+    from dart_ray.bench.runner import divergence_gaps
+
+    eng = make_engine(tiny, "none", batch=1)
+    p = eng.encode_prompt(PROMPTS[0])
+    ref = ar_out[0]
+    j = 5
+    from dart_ray.masks import attention_mask, causal_ancestors
+
+    seq = torch.tensor([p + ref[:j]])
+    T = seq.shape[1]
+    mask = attention_mask([0], causal_ancestors(T), T, torch.float32)
+    logits = tiny.model(seq, torch.arange(T)[None], mask, tiny.model.new_cache(1, T), starts=[0]).logits[0, -1]
+    top2 = logits.topk(2).indices.tolist()
+    worst = int(logits.argmin())
+    assert top2[0] == ref[j]
+    runner_up = ref[:j] + [top2[1]] + ref[j + 1:]
+    wrong = ref[:j] + [worst] + ref[j + 1:]
+    gaps = divergence_gaps(tiny.model, [p] * 4, [ref] * 4, [ref, runner_up, wrong, ref[:-3]])
+    assert len(gaps) == 3 and gaps[2] is None                 # a length cut is not a token split
+    assert gaps[0] == pytest.approx(float(logits[top2[0]] - logits[top2[1]]), abs=1e-4)
+    assert gaps[1] > gaps[0] > 0
+
+
+def test_prompt_limit_reserves_the_largest_tree_of_a_schedule(tiny):
+    from dart_ray.profiles import DecodingSchedule
+
+    eng = make_engine(tiny, "dart", "random", batch=2, seq=128, decoding=DecodingConfig(tree_budget=8))
+    eng.check_prompt(list(range(1, 101)))                     # 100 + 8 + 2 <= 128
+    eng.set_decoding(DecodingSchedule("t", ((1, DecodingConfig(tree_budget=8)),
+                                            (8, DecodingConfig(tree_budget=8, lookup_paths=4)))))
+    with pytest.raises(PromptTooLongError, match="at most 86"):   # 128 - (8 + 4 * 8) - 2
+        eng.check_prompt(list(range(1, 101)))

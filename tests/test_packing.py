@@ -79,6 +79,11 @@ def test_engine_packs_bf16_and_refuses_fp32(tiny_dirs):
     assert isinstance(eng.model.layers[0].attn.qkv, PackedLinear)
     out = eng.generate(["Hello there", "def f(x):"], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert [len(c.token_ids) for c in out] == [6, 6]
+    dart = Engine.from_config(EngineConfig(model=str(tiny_dirs["llama"]), method="dart", drafter="random",
+                                           ngram="none", dtype="bf16", max_batch_size=2, max_seq_len=128))
+    assert isinstance(dart.drafter.model.fc, PackedLinear)       # the drafter's own linears too
+    out = dart.generate(["Hello there", "def f(x):"], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [len(c.token_ids) for c in out] == [6, 6]
     off = Engine.from_config(EngineConfig(model=str(tiny_dirs["llama"]), method="none", dtype="bf16",
                                           max_batch_size=1, max_seq_len=128, pack_weights=False))
     assert type(off.model.layers[0].attn.qkv) is nn.Linear

@@ -153,12 +153,48 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
         if ar_out is not None:
             entry["outputs_match_ar"] = r.outputs == ar_out
             entry["n_mismatch"] = sum(a != b for a, b in zip(r.outputs, ar_out))
+            if m != "ar" and entry["n_mismatch"]:
+                gaps = divergence_gaps(target.model, prompt_ids, ar_out, r.outputs)
+                entry["divergence_gaps"] = gaps
+                token_gaps = [abs(g) for g in gaps if g is not None]
+                entry["max_divergence_gap"] = max(token_gaps) if token_gaps else None
         report["methods"][m] = entry
     if "ar" in report["methods"]:
         base = report["methods"]["ar"]["tokens_per_s"]
         for m, e in report["methods"].items():
             e["speedup_vs_ar"] = e["tokens_per_s"] / base
     return report
+
+
+@torch.inference_mode()
+def divergence_gaps(model, prompt_ids: list[list[int]], ref: list[list[int]],
+                    outs: list[list[int]]) -> list[float | None]:
+    """For each output that differs from the reference (AR), the target's logit gap between the two
+    tokens at the first divergence: ``logit[ref token] - logit[other token]``, from one forward over
+    prompt + the common prefix. A gap near the bf16 resolution of the logits (~0.1) means the two
+    runs split on a numerical near-tie; a wrong token would show a gap of whole logits (either sign:
+    negative when this forward prefers the other run's token). None where one output is a prefix of
+    the other (a length cut, not a token choice)."""
+    from dart_ray.masks import attention_mask, causal_ancestors
+
+    gaps = []
+    dev = model.embed.weight.device
+    for p, a, b in zip(prompt_ids, ref, outs):
+        if a == b:
+            continue
+        j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if j >= min(len(a), len(b)):  # one is a prefix of the other: a length cut, not a token
+            gaps.append(None)
+            continue
+        seq = torch.tensor([p + a[:j]], device=dev)                       # [1, T]
+        T = seq.shape[1]
+        cache = model.new_cache(1, T)
+        mask = attention_mask([0], causal_ancestors(T, dev), T, model.embed.weight.dtype) if T > 1 else None
+        out = model(seq, torch.arange(T, device=dev)[None], mask, cache, starts=[0],
+                    logits_at=torch.tensor([[T - 1]], device=dev))
+        logits = out.logits[0, 0].float()                                  # [V]
+        gaps.append(float(logits[a[j]] - logits[b[j]]))
+    return gaps
 
 
 def plot_report(report: dict, out: str | Path) -> None:
@@ -185,12 +221,16 @@ def plot_report(report: dict, out: str | Path) -> None:
 
 
 def format_table(report: dict) -> str:
-    rows = ["| method | tok/s | speedup vs ar | tau | draft ms | tree ms | verify ms | matches ar |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| method | tok/s | speedup vs ar | tau | draft ms | tree ms | verify ms | matches ar | max gap |",
+            "|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     for m, e in report["methods"].items():
+        match = f(e["outputs_match_ar"])
+        if e.get("n_mismatch"):
+            match += f" ({e['n_mismatch']}/{e['n_prompts']} differ)"
         rows.append(f"| {m} | {f(e['tokens_per_s'], 1)} | {f(e.get('speedup_vs_ar'))} | {f(e['mean_accepted_len'])} | "
-                    f"{f(e['draft_ms'])} | {f(e['tree_ms'])} | {f(e['verify_ms'])} | {f(e['outputs_match_ar'])} |")
+                    f"{f(e['draft_ms'])} | {f(e['tree_ms'])} | {f(e['verify_ms'])} | {match} | "
+                    f"{f(e.get('max_divergence_gap'), 3)} |")
     return "\n".join(rows)
 
 

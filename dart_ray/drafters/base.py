@@ -81,6 +81,15 @@ class Drafter(abc.ABC):
     def allocate(self, max_batch: int, max_seq_len: int) -> None:
         """Allocate per-row state for up to ``max_batch`` rows (called once by the engine)."""
 
+    def pack_weights(self) -> int:
+        """Apply the CPU packing transform (``dart_ray.models.packing``) to the drafter's own network,
+        if it has one (``self.model``); called by the engine after ``allocate`` when it packs the
+        target. Returns the number of linears packed."""
+        from dart_ray.models.packing import pack_linears
+
+        model = getattr(self, "model", None)
+        return pack_linears(model) if isinstance(model, torch.nn.Module) else 0
+
     def prefill(self, rows: slice, prompt_lens: list[int], taps: torch.Tensor | None,
                 next_tokens: torch.Tensor) -> None:
         """Rows ``rows`` were prefilled. taps: [n, T, nT*H] target taps at the prompt positions

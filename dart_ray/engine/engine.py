@@ -95,7 +95,7 @@ class Engine:
         return cls(target, drafter, config)
 
     def _maybe_pack(self, pack: bool | None) -> None:
-        from dart_ray.models.packing import pack_linears, packing_supported
+        from dart_ray.models.packing import PackedLinear, pack_linears, packing_supported
 
         supported = packing_supported(self.device, self.dtype) and isinstance(self.model, torch.nn.Module)
         if pack and not supported:
@@ -103,8 +103,13 @@ class Engine:
                              f"oneDNN bf16 support (device {self.device}, dtype {self.dtype})")
         if pack is None:
             pack = supported
+        if not pack and isinstance(self.model, torch.nn.Module) and any(
+                isinstance(m, PackedLinear) for m in self.model.modules()):
+            raise ValueError("pack_weights=False, but this target was already packed in place by another "
+                             "engine; load a separate target for an unpacked engine")
         if pack:
             pack_linears(self.model)
+            self.drafter.pack_weights()
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.target.args.eos_token_ids)
@@ -137,11 +142,17 @@ class Engine:
         V = self.target.args.vocab_size
         if min(ids) < 0 or max(ids) >= V:
             raise ValueError(f"prompt token ids must be in [0, {V})")
-        limit = self.max_seq_len - self.drafter.max_tree_nodes(self.decoding) - 2
+        limit = self.max_seq_len - self._max_tree_nodes() - 2
         if len(ids) > limit:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the context allows at most {limit} "
                 f"(max_seq_len {self.max_seq_len} minus tree scratch)")
+
+    def _max_tree_nodes(self) -> int:
+        """Tree scratch to reserve: the largest tree any batch size of the active knobs may draft."""
+        entries = getattr(self._schedule, "entries", None)
+        configs = [c for _, c in entries] if entries else [self.decoding]
+        return max(self.drafter.max_tree_nodes(c) for c in configs)
 
     def add_request(self, prompt: PromptLike, params: SamplingParams | None = None,
                     request_id: str | None = None, chat: bool = False) -> str:

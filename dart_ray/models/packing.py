@@ -71,12 +71,13 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
-    """Replace every plain ``nn.Linear`` under ``module`` (in place) by a :class:`PackedLinear`.
+    """Replace every plain bf16 CPU ``nn.Linear`` under ``module`` (in place) by a :class:`PackedLinear`.
 
     Idempotent (already packed and custom linear subclasses such as the TP ones are left alone).
     Returns the number of modules replaced. The caller checks :func:`packing_supported` first.
     """
-    linears = [(p, name, c) for p in list(module.modules()) for name, c in p.named_children() if type(c) is nn.Linear]
+    linears = [(p, name, c) for p in list(module.modules()) for name, c in p.named_children()
+               if type(c) is nn.Linear and c.weight.dtype == torch.bfloat16 and c.weight.device.type == "cpu"]
     # weights also owned by a non-linear module (a tied LM head) stay referenced after packing
     shared = {id(t) for m in module.modules() if type(m) is not nn.Linear for t in m.parameters(recurse=False)}
     for parent, name, child in linears:

@@ -496,6 +496,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         covered = sum(int((t2d[torch.tensor(s)] >= 0).sum()) for s, _ in train_seqs)
         print(f"draft vocab {len(d2t)}: covers {covered / n_tok:.1%} of training tokens")
     steps_per_epoch = len(train_seqs) // cfg.seqs_per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train_seqs)} training sequences make no batch of seqs_per_step={cfg.seqs_per_step}")
     total = max(1, int(steps_per_epoch * cfg.epochs))
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
@@ -511,7 +513,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
                            "delete the lagging checkpoint or train them separately")
     tap_order = tuple(sorted({t for s in students for t in s.taps}))
     if packing_supported("cpu", target.embed.weight.dtype):
-        pack_linears(target)  # the frozen teacher only runs inference; students were built (and copied) above
+        # the frozen teacher's blocks only run inference (students were built and copied above); the
+        # LM head stays dense because the students' objectives read its weight every step
+        for layer in target.layers:
+            pack_linears(layer)
     bar = None
     if progress:
         from tqdm import tqdm

@@ -147,9 +147,10 @@ def pack_trees(roots: torch.Tensor, trees: list[tuple[list[int], list[int]]]) ->
         tokens[b, 1:1 + n] = torch.tensor(toks, dtype=torch.long)
         parents[b, 1:1 + n] = torch.tensor(pars, dtype=torch.long)
         valid[b, 1:1 + n] = True
-        d = depths[b]
-        for i, p in enumerate(pars, start=1):
-            d[i] = d[p] + 1
+        d = [0]
+        for p in pars:
+            d.append(d[p] + 1)
+        depths[b, 1:1 + n] = torch.tensor(d[1:], dtype=torch.long)
     return TokenTree(tokens, parents, depths, valid).to(roots.device)
 
 
@@ -165,6 +166,8 @@ def merge_paths(tree: TokenTree, paths: list[list[list[int]]]) -> TokenTree:
         raise ValueError("merge_paths: trees with sampled drafts (draft_probs) cannot take extra paths")
     if len(paths) != tree.batch_size:
         raise ValueError(f"merge_paths: {len(paths)} path lists for {tree.batch_size} rows")
+    if not any(paths):
+        return tree
     toks, pars, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
     rows: list[tuple[list[int], list[int]]] = []
     for b in range(tree.batch_size):
