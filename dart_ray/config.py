@@ -78,9 +78,13 @@ class DecodingConfig:
     lookup_paths: int = 0
     """DART only: prompt-lookup continuations merged into the tree (0 = off, the tree is DART's alone).
     The longest suffix (``lookup_min_match``..3 tokens) of the committed text + root that occurred
-    earlier in the same sequence proposes what followed it, up to ``chunk_len`` tokens per path, most
+    earlier in the same sequence proposes what followed it, up to ``lookup_len`` tokens per path, most
     recent occurrence first; shared prefixes reuse DART's nodes. Adds at most
-    ``lookup_paths * chunk_len`` nodes on top of ``tree_budget``."""
+    ``lookup_paths * lookup_len`` nodes on top of ``tree_budget``."""
+
+    lookup_len: int = 8
+    """Tokens per lookup path. Independent of the drafter's depth on purpose:
+    copied text is accepted in long runs, while drafter levels past a few are mostly wrong."""
 
     lookup_min_match: int = 2
     """Shortest suffix match (tokens) that may propose a lookup path; 1 proposes after any repeated token."""
@@ -97,6 +101,7 @@ class DecodingConfig:
                f"logit_weight_base must be in (0, 1], got {self.logit_weight_base}")
         _check(0.0 < self.eps < 1.0, f"eps must be in (0, 1), got {self.eps}")
         _check(0 <= self.lookup_paths <= 16, f"lookup_paths must be in [0, 16], got {self.lookup_paths}")
+        _check(1 <= self.lookup_len <= 32, f"lookup_len must be in [1, 32], got {self.lookup_len}")
         _check(1 <= self.lookup_min_match <= 3, f"lookup_min_match must be in [1, 3], got {self.lookup_min_match}")
 
     def replace(self, **changes) -> "DecodingConfig":

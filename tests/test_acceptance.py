@@ -611,3 +611,19 @@ def test_sampled_drafts_need_a_chain():
     tree = TokenTree(tree.tokens, tree.parents, tree.depths, tree.valid, torch.full((1, 3, SV), 1.0 / SV))
     with pytest.raises(ValueError, match="chain"):
         sample_accept(tree, torch.zeros(1, 3, SV), 1.0, 0, 1.0, [None])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_tokens_break_ties_to_the_first_index(dtype):
+    """The fast CPU path (max().indices) must pick exactly what argmax picks, ties included:
+    bf16 logits tie often, and AR and every drafter share this choice."""
+    from dart_ray.verify.acceptance import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 13, 4099, generator=g) * 2).round().to(dtype)   # integer-valued: many exact ties
+    x[0, 0] = 0
+    x[0, 0, [7, 9, 4000]] = 5                                             # a three-way tie for the max
+    got = greedy_tokens(x)
+    assert got.shape == (6, 13)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[0, 0].item() == 7

@@ -321,6 +321,22 @@ def test_dart_with_lookup_paths_equals_ar_and_accepts_more(tiny, ar_out, batch):
     assert merged.stats().mean_accepted_len > plain.stats().mean_accepted_len
 
 
+def test_lookup_paths_reach_past_the_drafter_depth(tiny, ar_out):
+    """``lookup_len`` is independent of ``chunk_len``: a 2-level DART tree with 12-token lookup
+    paths accepts runs deeper than its drafter could propose, and stays exact."""
+    base = DecodingConfig(chunk_len=2, tree_budget=4, top_k=4, beam_width=2, lookup_paths=2, lookup_min_match=1,
+                          lookup_len=2)
+    short = make_engine(tiny, "dart", "random", batch=2, decoding=base)
+    long = make_engine(tiny, "dart", "random", batch=2, decoding=base.replace(lookup_len=12))
+    assert short.drafter.max_tree_nodes(short.decoding) == 4 + 2 * 2
+    assert long.drafter.max_tree_nodes(long.decoding) == 4 + 2 * 12
+    assert [o.token_ids for o in short.generate(PROMPTS, GREEDY)] == ar_out
+    assert [o.token_ids for o in long.generate(PROMPTS, GREEDY)] == ar_out
+    assert len(short.stats().accepted_per_depth) <= 2
+    assert len(long.stats().accepted_per_depth) > 2
+    assert long.stats().mean_accepted_len > short.stats().mean_accepted_len
+
+
 def test_divergence_gaps_measure_the_split(tiny, ar_out):
     """The bench's near-tie diagnostic: the gap is the target's logit difference at the first
     divergence (small for a runner-up token, large for a wrong one); equal outputs give none."""

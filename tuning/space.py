@@ -107,7 +107,8 @@ class SearchSpace:
             ps += [Param("level_weight_exp", "float", 0.0, 1.5, help="level weight (l+1)^-a"),
                    Param("logit_weight_base", "float", 0.5, 1.0, help="draft-logit weight b^l")]
             if method == "dart":
-                ps += [Param("lookup_paths", "int", 0, 4, help="prompt-lookup paths merged into the tree"),
+                ps += [Param("lookup_paths", "int", 0, 8, help="prompt-lookup paths merged into the tree"),
+                       Param("lookup_len", "int", 2, 16, log=True, help="tokens per lookup path (any drafter depth)"),
                        Param("lookup_min_match", "int", 1, 3, help="shortest suffix match for a lookup path")]
             if method == "eagle":  # no N-gram term and no level weighting: cumulative draft confidence only
                 ps = [chunk, Param("top_k", "int", 2, 16, log=True, help="children per expanded node"),

@@ -145,12 +145,12 @@ class DartDrafter(Drafter):
         ctx = view.tail_context(max(getattr(self.ngram, "order", 3) - 2, 1))
         tree = build_trees(view.roots, logits, cfg, context=ctx, ngram=self.ngram)
         if cfg.lookup_paths:
-            tree = merge_paths(tree, self._lookup_paths(view, depth))
+            tree = merge_paths(tree, self._lookup_paths(view, cfg.lookup_len))
         self.tree_time_s += time.perf_counter() - t0
         return tree
 
     def max_tree_nodes(self, decoding) -> int:
-        return decoding.tree_budget + decoding.lookup_paths * min(decoding.chunk_len, self.max_depth)
+        return decoding.tree_budget + decoding.lookup_paths * decoding.lookup_len
 
     def _lookup_paths(self, view: BatchView, depth: int) -> list[list[list[int]]]:
         """Per row: continuations of the text's suffix found earlier in the same sequence."""

@@ -152,6 +152,18 @@ def _path_to(tree: TokenTree, last: torch.Tensor, width: int) -> torch.Tensor:
     return path
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``[..., V]`` -> ``[...]``: the argmax over the vocabulary, ties to the lowest index.
+
+    On CPU ``max(dim).indices`` computes the same thing several times faster than ``argmax`` for
+    bf16 logits (16 x 23 tree nodes x 49k vocab: ~4x on 2 cores), which matters when every tree node
+    of a batch needs its greedy token; both return the first maximal index there (a test pins it).
+    """
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 def greedy_accept(tree: TokenTree, logits: torch.Tensor) -> Acceptance:
     """Greedy verification. ``logits``: ``[B, 1+N, V]`` from one target forward over the tree.
 
@@ -162,7 +174,7 @@ def greedy_accept(tree: TokenTree, logits: torch.Tensor) -> Acceptance:
     B, T = tree.tokens.shape
     if logits.shape[:2] != (B, T):
         raise ValueError(f"logits shape {tuple(logits.shape)} does not match tree {(B, T)}")
-    pred = logits.argmax(dim=-1)  # [B, T] target's next token at each node
+    pred = greedy_tokens(logits)  # [B, T] target's next token at each node
     par = tree.parents.clamp(min=0)  # [B, T]
     correct = tree.valid & (tree.tokens == pred.gather(1, par))  # [B, T]
     correct[:, 0] = True
