@@ -41,6 +41,11 @@ class BatchView:
     def batch_size(self) -> int:
         return int(self.roots.shape[0])
 
+    def sequences(self) -> list[np.ndarray]:
+        """Per row: the committed ids followed by the root -- the text a prompt lookup searches."""
+        roots = self.roots.tolist()
+        return [np.append(self.tokens[b, :self.lengths[b]], roots[b]) for b in range(self.batch_size)]
+
     def tail_context(self, c: int) -> torch.Tensor:
         """[B, c] int64 the last ``c`` committed tokens per row (-1 left-padded) -- N-gram context."""
         B = self.batch_size

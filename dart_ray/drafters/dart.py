@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from dart_ray.drafters.base import BatchView, Drafter, to_target_vocab
@@ -152,13 +151,8 @@ class DartDrafter(Drafter):
     def max_tree_nodes(self, decoding) -> int:
         return decoding.tree_budget + decoding.lookup_paths * decoding.lookup_len
 
-    def _lookup_paths(self, view: BatchView, depth: int) -> list[list[list[int]]]:
+    def _lookup_paths(self, view: BatchView, length: int) -> list[list[list[int]]]:
         """Per row: continuations of the text's suffix found earlier in the same sequence."""
         cfg = view.decoding
-        roots = view.roots.tolist()
-        out = []
-        for b in range(view.batch_size):
-            seq = np.append(view.tokens[b, :view.lengths[b]], roots[b])
-            out.append(lookup_continuations(seq, depth, cfg.lookup_paths, max_match=3,
-                                            min_match=cfg.lookup_min_match))
-        return out
+        return [lookup_continuations(seq, length, cfg.lookup_paths, max_match=3, min_match=cfg.lookup_min_match)
+                for seq in view.sequences()]

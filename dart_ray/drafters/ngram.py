@@ -77,10 +77,7 @@ class NGramDrafter(Drafter):
         cfg = view.decoding
         depth = min(cfg.chunk_len, self.max_depth)
         trees = []
-        roots = view.roots.tolist()
-        for b in range(view.batch_size):
-            n = view.lengths[b]
-            seq = np.append(view.tokens[b, :n], roots[b])
+        for seq in view.sequences():
             paths = lookup_continuations(seq, depth, cfg.beam_width, self.max_match, self.min_match)
             if not paths and self.ngram is not None:
                 paths = [self._corpus_chain(seq, depth, cfg.ngram_min_count)]

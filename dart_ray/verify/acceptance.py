@@ -156,7 +156,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``[..., V]`` -> ``[...]``: the argmax over the vocabulary, ties to the lowest index.
 
     On CPU ``max(dim).indices`` computes the same thing several times faster than ``argmax`` for
-    bf16 logits (16 x 23 tree nodes x 49k vocab: ~4x on 2 cores), which matters when every tree node
+    bf16 logits (16 x 23 tree nodes x 49k vocab on 2 cores: 6.1 vs 28.6 ms), which matters when every node
     of a batch needs its greedy token; both return the first maximal index there (a test pins it).
     """
     if logits.device.type == "cpu":
@@ -377,25 +377,31 @@ def accept(
     B = tree.batch_size
     if len(params_list) != B or len(generators) != B:
         raise ValueError(f"need one SamplingParams and one generator per row (batch {B})")
-    out = greedy_accept(tree, logits)
-    sampled = [b for b, sp in enumerate(params_list) if not sp.greedy]
-    if not sampled:
-        return out
+    greedy = [b for b, sp in enumerate(params_list) if sp.greedy]
+    if len(greedy) == B:
+        return greedy_accept(tree, logits)
+    # Mixed or all-sampled batch: each rule sees only its own rows (the vocabulary argmax of
+    # greedy_accept is not spent on sampled rows), merged into one [B, d+1] result.
     dev = logits.device
+    out = Acceptance(path=torch.full((B, _max_depth(tree) + 1), -1, dtype=torch.long, device=dev),
+                     num_accepted=torch.zeros(B, dtype=torch.long, device=dev),
+                     bonus=torch.zeros(B, dtype=torch.long, device=dev))
+    if greedy:
+        idx = torch.tensor(greedy, dtype=torch.long, device=dev)
+        _put_rows(out, idx, greedy_accept(tree.select_rows(idx), logits.index_select(0, idx)))
+    sampled = [b for b, sp in enumerate(params_list) if not sp.greedy]
     idx = torch.tensor(sampled, dtype=torch.long, device=dev)
-    sub_tree = tree.select_rows(idx)
-    temps = torch.tensor(
-        [params_list[b].temperature for b in sampled], dtype=torch.float32, device=dev
-    )
+    temps = torch.tensor([params_list[b].temperature for b in sampled], dtype=torch.float32, device=dev)
     ks = torch.tensor([params_list[b].top_k for b in sampled], dtype=torch.long, device=dev)
     ps = torch.tensor([params_list[b].top_p for b in sampled], dtype=torch.float32, device=dev)
-    sub = sample_accept(
-        sub_tree, logits.index_select(0, idx), temps, ks, ps, [generators[b] for b in sampled]
-    )
-    width = out.path.shape[1]
-    sub_path = torch.full((len(sampled), width), -1, dtype=torch.long, device=dev)
-    sub_path[:, : sub.path.shape[1]] = sub.path
-    out.path[idx] = sub_path
+    sub = sample_accept(tree.select_rows(idx), logits.index_select(0, idx), temps, ks, ps,
+                        [generators[b] for b in sampled])
+    _put_rows(out, idx, sub)
+    return out
+
+
+def _put_rows(out: Acceptance, idx: torch.Tensor, sub: Acceptance) -> None:
+    """Write the per-row results ``sub`` (rows ``idx`` of ``out``, possibly narrower paths) into ``out``."""
+    out.path[idx, :sub.path.shape[1]] = sub.path
     out.num_accepted[idx] = sub.num_accepted
     out.bonus[idx] = sub.bonus
-    return out
