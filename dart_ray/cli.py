@@ -19,7 +19,10 @@ def _add_engine_args(p: argparse.ArgumentParser, default_method: str = "auto") -
     p.add_argument("--drafter", default=None,
                    help="drafter dir for the method ('random' = untrained dart/eagle; default: shipped)")
     p.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables; default: shipped)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
+                   help="auto = bf16 where this machine runs it natively and fast, else fp32 (measured)")
+    p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                   help="always verify the configured tree (default: size it per step, down to plain AR)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-seq-len", type=int, default=2048)
@@ -47,7 +50,7 @@ def engine_config_from_args(a: argparse.Namespace, max_batch_size: int = 8):
     method = resolve_method(a.method, a.model, a.drafter)
     return EngineConfig(model=a.model, method=method, drafter=a.drafter, ngram=a.ngram, dtype=a.dtype,
                         device=a.device, num_threads=a.threads, max_seq_len=a.max_seq_len,
-                        max_batch_size=max_batch_size)
+                        max_batch_size=max_batch_size, adaptive=getattr(a, "adaptive", True))
 
 
 def _apply_profile(engine, profile: str | None) -> None:
@@ -80,9 +83,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
             last = o
     dt = time.perf_counter() - t0
     st = last.stats
+    es = engine.stats()
     print()
+    spec = f"{es.ar_steps}/{es.steps} steps plain AR" if engine.controller is not None else "adaptive off"
     print(f"[{cfg.method}] {n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s | tau {st.mean_accepted_len:.2f} | "
-          f"finish {last.finish_reason}", file=sys.stderr if a.stats_stderr else sys.stdout)
+          f"finish {last.finish_reason} | {engine.config.dtype} ({engine.dtype_choice.reason}) | {spec} | "
+          f"{engine.fingerprint.summary()}", file=sys.stderr if a.stats_stderr else sys.stdout)
     return 0
 
 
@@ -116,7 +122,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     report = run_bench(prompts, a.methods.split(","), model=a.model, drafter=a.drafter, ngram=a.ngram,
                        chat=a.chat, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, dtype=a.dtype,
                        threads=a.threads, decoding=decoding, device=a.device, drafters=drafters,
-                       decodings=decodings)
+                       decodings=decodings, adaptive=a.adaptive)
     print(format_table(report))
     if a.out:
         write_report(report, a.out)

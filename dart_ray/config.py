@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 Method = Literal["dart", "eagle", "medusa", "sps", "ngram", "none"]
-DType = Literal["fp32", "bf16", "fp16"]
+DType = Literal["auto", "fp32", "bf16", "fp16"]
 
 METHODS: tuple[str, ...] = ("dart", "eagle", "medusa", "sps", "ngram", "none")
 """Drafting methods: ``dart`` (the product), the trained baselines ``eagle`` (autoregressive
 tapped-feature drafter), ``medusa`` (heads) and ``sps`` (draft model), ``ngram`` (no model) and
 ``none`` (plain autoregressive decoding through the same engine)."""
-DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
+DTYPES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+"""``auto`` = bf16 where the device runs it natively and it measures at least as fast as fp32, else
+fp32 (:func:`dart_ray.hardware.resolve_dtype`)."""
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -135,7 +137,9 @@ class SamplingParams:
     """Keep only the k most likely tokens before sampling; 0 disables."""
 
     seed: int | None = None
-    """Seed of this request's private RNG (sampling is reproducible per request when set)."""
+    """Seed of this request's private RNG. Sampling is reproducible per request when set and the tree
+    schedule is fixed (``EngineConfig.adaptive=False``): with adaptive speculation the tree sizes follow
+    this machine's timings, and the output, still an exact sample of the target, can differ between runs."""
 
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end the request (the tokenizer's EOS always does unless ignore_eos)."""
@@ -179,8 +183,9 @@ class EngineConfig:
     ngram: str | None = None
     """N-gram model directory. None = the shipped default for the default model (if any)."""
 
-    dtype: DType = "bf16"
-    """Weights/activations dtype. Exactness tests use fp32."""
+    dtype: DType = "auto"
+    """Weights/activations dtype. ``auto`` (default) measures the machine: bf16 where it is native and
+    fast (CUDA with bf16, CPUs with oneDNN bf16), else fp32. Exactness tests use fp32."""
 
     device: str = "cpu"
     """torch device string (``cpu``, ``cuda``, ``cuda:1``)."""
@@ -189,7 +194,8 @@ class EngineConfig:
     """Rows of the static KV cache = most requests decoded together."""
 
     max_seq_len: int = 2048
-    """Tokens per row of the KV cache (prompt + generated + tree scratch)."""
+    """Tokens one request can use, prompt + generated (``max_model_len``). The draft-tree scratch is
+    allocated beyond it, so a request never loses tokens to speculation."""
 
     num_threads: int | None = None
     """torch intra-op threads on CPU; None leaves torch's default."""
@@ -198,6 +204,12 @@ class EngineConfig:
     """Prepack the target's linear weights for oneDNN (``dart_ray.models.packing``). None = auto:
     on where it is measured to help (CPU, bf16, oneDNN bf16 support). Packing is applied to the
     loaded target in place and is idempotent; packed linears are inference-only."""
+
+    adaptive: bool = True
+    """Adaptive speculation: every step the engine sizes the draft tree for the current batch -- from
+    the node budget down to none (a plain AR step) -- to maximise expected committed tokens per
+    second, from the measured cost model of this machine and the acceptance it has observed
+    (``dart_ray.engine.controller``). Off = always draft the configured tree."""
 
     seed: int = 0
     """Seed for randomly initialised drafters (``drafter="random"``)."""

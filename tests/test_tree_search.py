@@ -111,12 +111,16 @@ def check_tree(tree: TokenTree, scores: torch.Tensor, cfg: DecodingConfig) -> No
         # padding format
         assert bool((tree.parents[b][~v] == 0).all()) and bool((tree.depths[b][~v] == 1).all())
         assert bool((tree.tokens[b][~v] == 0).all()) and bool(torch.isinf(scores[b][~v]).all())
-        # valid nodes first, ordered by (depth asc, score desc)
+        # valid nodes first, in priority order: effective (path-minimum) score descending, so every
+        # prefix of the node list is the best tree of that size
         nv = int(v.sum())
         assert bool(v[:nv].all())
-        dep, sc = tree.depths[b, 1:nv].tolist(), scores[b, 1:nv].tolist()
-        for i in range(len(dep) - 1):
-            assert (dep[i], -sc[i]) <= (dep[i + 1], -sc[i + 1])
+        par, sc = tree.parents[b, :nv].tolist(), scores[b, :nv].tolist()
+        eff = [float("inf")]
+        for i in range(1, nv):
+            eff.append(min(sc[i], eff[par[i]]))
+        for i in range(1, nv - 1):
+            assert eff[i] >= eff[i + 1]
         # no duplicate siblings
         pairs = list(zip(tree.parents[b, 1:nv].tolist(), tree.tokens[b, 1:nv].tolist()))
         assert len(pairs) == len(set(pairs))
@@ -518,7 +522,7 @@ def test_benchmark_realistic(capsys):
             print(f"  {name:<28s} {ms:7.3f} ms/call (median)")
 
 
-def test_merge_paths_shares_prefixes_and_appends():
+def test_merge_paths_puts_paths_first_and_shares_prefixes():
     roots = torch.tensor([7, 9])
     # row 0: root -> 1 -> 2, root -> 3 ; row 1: root -> 4 (plus one padding node)
     tree = pack_trees(roots, [([1, 2, 3], [0, 1, 0]), ([4], [0])])
@@ -526,9 +530,10 @@ def test_merge_paths_shares_prefixes_and_appends():
     merged.validate()
     rows = [(merged.tokens[b, 1:][merged.valid[b, 1:]].tolist(), merged.parents[b, 1:][merged.valid[b, 1:]].tolist())
             for b in range(2)]
-    assert rows[0] == ([1, 2, 3, 5, 6], [0, 1, 0, 2, 4])      # 1,2 and 3 reused; 5, 6 appended
-    assert rows[1] == ([4, 8, 4], [0, 0, 1])
-    assert merged.depths[0, 1:6].tolist() == [1, 2, 1, 3, 4]
+    # paths lead the priority order; the tree's nodes 1, 2 and 3 are shared with them, not repeated
+    assert rows[0] == ([1, 2, 5, 6, 3], [0, 1, 2, 3, 0])
+    assert rows[1] == ([8, 4, 4], [0, 0, 2])
+    assert merged.depths[0, 1:6].tolist() == [1, 2, 3, 4, 1]
     assert merged.tokens[:, 0].tolist() == [7, 9]
     assert merge_paths(tree, [[], []]).tokens.tolist() == tree.tokens.tolist()   # nothing to add
     with pytest.raises(ValueError, match="rows"):

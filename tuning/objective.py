@@ -113,6 +113,7 @@ class WorkerState:
 
         self.config = cfg
         self.engine = Engine.from_config(cfg)
+        cfg = self.engine.config                      # dtype "auto" resolved for this machine
         if check_dtype and check_dtype != cfg.dtype:
             ccfg = cfg.replace(dtype=check_dtype, max_batch_size=max(1, min(check_batch, cfg.max_batch_size)))
             target = load_target(ccfg.model, ccfg.dtype, ccfg.device, ccfg.max_seq_len)

@@ -63,15 +63,19 @@ def _hf_generate(hf, tok, prompt_ids: list[list[int]], max_new: int, pld: bool, 
 
 def run_bench(prompts: list[str], methods: list[str], *, model: str | None = None, drafter: str | None = None,
               ngram: str | None = None, chat: bool = False, max_new_tokens: int = 128, batch_size: int = 1,
-              dtype: str = "bf16", threads: int | None = None, decoding: DecodingConfig | None = None,
+              dtype: str = "auto", threads: int | None = None, decoding: DecodingConfig | None = None,
               warmup: int = 1, progress: bool = True, device: str = "cpu",
-              drafters: dict[str, str] | None = None, decodings: dict[str, DecodingConfig] | None = None) -> dict:
+              drafters: dict[str, str] | None = None, decodings: dict[str, DecodingConfig] | None = None,
+              adaptive: bool = True) -> dict:
     """Interleaved, same-process benchmark of ``methods`` on ``prompts`` (medians over batches).
 
     ``drafter`` is the DART drafter; ``drafters`` maps other methods to their drafter directories
     (default: shipped). ``decoding`` applies to every own-engine method unless ``decodings`` gives
-    a method its own (e.g. a per-method tuned profile).
+    a method its own (e.g. a per-method tuned profile). ``dtype="auto"`` is resolved for this
+    machine (``dart_ray.hardware``); the report's ``config`` records the choice and the hardware
+    fingerprint it was measured on.
     """
+    from dart_ray.hardware import resolve_dtype
     from dart_ray.drafters import make_drafter
     from dart_ray.engine import Engine
     from dart_ray.engine.engine import encode_prompt
@@ -85,13 +89,15 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     if threads:
         torch.set_num_threads(threads)
     decoding = decoding or DecodingConfig()
+    choice = resolve_dtype(dtype, device)
+    dtype = choice.dtype
     target = load_target(model, dtype, device, max_seq_len=2048)
     engines = {}
     for m in methods:
         if m in OWN:
             d = (drafters or {}).get(m, drafter if m == "dart" else None)
             cfg = EngineConfig(model=model, method=OWN[m], drafter=d, ngram=ngram, dtype=dtype, device=device,
-                               max_batch_size=batch_size, max_seq_len=2048,
+                               max_batch_size=batch_size, max_seq_len=2048, adaptive=adaptive,
                                decoding=(decodings or {}).get(m, decoding))
             engines[m] = Engine(target, make_drafter(cfg, target), cfg)
     hf = None
@@ -132,11 +138,17 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
             res[m].tokens.append(sum(len(o) for o in outs))
             res[m].outputs.extend(outs)
     report = {"config": {"n_prompts": len(prompts), "methods": methods, "chat": chat, "batch_size": batch_size,
-                         "max_new_tokens": max_new_tokens, "dtype": dtype, "threads": torch.get_num_threads(),
+                         "max_new_tokens": max_new_tokens, "dtype": dtype, "dtype_choice": choice.to_dict(),
+                         "adaptive": adaptive, "threads": torch.get_num_threads(),
                          "model": model or "default", "drafter": drafter, "device": device, "decoding": decoding.to_dict(),
                          "drafters": drafters or {},
                          "decodings": {m: d.to_dict() for m, d in (decodings or {}).items()}},
               "methods": {}}
+    from dart_ray.hardware import Fingerprint
+
+    fp = Fingerprint.current(device, dtype, target.model_id)
+    report["config"]["fingerprint"] = fp.to_dict()
+    report["config"]["machine"] = fp.summary()
     ar_out = res["ar"].outputs if "ar" in res else None
     for m in methods:
         r = res[m]
@@ -149,7 +161,8 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
             split = st.time_split_ms()
             entry.update(mean_accepted_len=st.mean_accepted_len, draft_ms=split["draft"], tree_ms=split["tree"],
                          verify_ms=split["verify"], accept_ms=split["accept"], other_ms=split["other"],
-                         accepted_per_depth=[a / max(st.row_steps, 1) for a in st.accepted_per_depth])
+                         accepted_per_depth=[a / max(st.row_steps, 1) for a in st.accepted_per_depth],
+                         steps=st.steps, ar_steps=st.ar_steps, head_rows_per_step=st.head_rows / max(st.steps, 1))
         if ar_out is not None:
             entry["outputs_match_ar"] = r.outputs == ar_out
             entry["n_mismatch"] = sum(a != b for a, b in zip(r.outputs, ar_out))
@@ -221,15 +234,19 @@ def plot_report(report: dict, out: str | Path) -> None:
 
 
 def format_table(report: dict) -> str:
-    rows = ["| method | tok/s | speedup vs ar | tau | draft ms | tree ms | verify ms | matches ar | max gap |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    c = report.get("config", {})
+    rows = [f"machine: {c.get('machine', '?')}; dtype {c.get('dtype')} "
+            f"({(c.get('dtype_choice') or {}).get('reason', 'given')}); adaptive {c.get('adaptive')}", "",
+            "| method | tok/s | speedup vs ar | tau | AR steps | draft ms | tree ms | verify ms | matches ar | max gap |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     for m, e in report["methods"].items():
         match = f(e["outputs_match_ar"])
         if e.get("n_mismatch"):
             match += f" ({e['n_mismatch']}/{e['n_prompts']} differ)"
+        ar_steps = f"{e['ar_steps']}/{e['steps']}" if e.get("steps") else "-"
         rows.append(f"| {m} | {f(e['tokens_per_s'], 1)} | {f(e.get('speedup_vs_ar'))} | {f(e['mean_accepted_len'])} | "
-                    f"{f(e['draft_ms'])} | {f(e['tree_ms'])} | {f(e['verify_ms'])} | {match} | "
+                    f"{ar_steps} | {f(e['draft_ms'])} | {f(e['tree_ms'])} | {f(e['verify_ms'])} | {match} | "
                     f"{f(e.get('max_divergence_gap'), 3)} |")
     return "\n".join(rows)
 

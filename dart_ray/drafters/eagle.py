@@ -119,7 +119,8 @@ class EagleDrafter(DartDrafter):
                 node_parent: list[torch.Tensor], budget: int) -> TokenTree:
         """Keep the ``budget`` best nodes per row (scores only fall along a path and ties prefer the
         shallower node, so the kept set is prefix-closed; a node whose parent was not kept -- only
-        possible with non-finite scores -- is dropped with its subtree) and pack them in level order."""
+        possible with non-finite scores -- is dropped with its subtree) and pack them in priority order
+        (score descending, parents first), so the first n nodes are the best n-node tree."""
         B = roots.shape[0]
         sizes = [s.shape[1] for s in node_score]
         offsets = [0]
@@ -127,7 +128,7 @@ class EagleDrafter(DartDrafter):
             offsets.append(offsets[-1] + n)
         depth = torch.cat([torch.full((n,), lvl, dtype=torch.float64) for lvl, n in enumerate(sizes)])
         score = torch.cat(node_score, dim=1).double().cpu() - 1e-9 * depth          # [B, N_all]
-        keep = score.topk(min(budget, score.shape[1]), dim=1).indices.sort(dim=1).values  # level order
+        keep = score.topk(min(budget, score.shape[1]), dim=1).indices                # priority order
         tok = torch.cat(node_tok, dim=1).cpu().tolist()
         # parent as a global node index (-1: root)
         par_glob = torch.cat([torch.where(p < 0, p, p + (offsets[lvl - 1] if lvl else 0))
@@ -137,7 +138,7 @@ class EagleDrafter(DartDrafter):
             kept = keep[b].tolist()
             index: dict[int, int] = {}                                              # global -> tree node
             toks, pars = [], []
-            for g in kept:                                                          # level order: parents first
+            for g in kept:                                                          # parents first
                 pg = par_glob[b][g]
                 if pg >= 0 and pg not in index:
                     continue

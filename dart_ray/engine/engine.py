@@ -26,14 +26,22 @@ import torch
 
 from dart_ray.config import DecodingConfig, EngineConfig, SamplingParams
 from dart_ray.drafters.base import BatchView, Drafter
+from dart_ray.engine.controller import SpeculationController
+from dart_ray.engine.cost import TOKEN_GRID, CostModel, batch_grid, load_or_measure
 from dart_ray.engine.detok import IncrementalDetokenizer
+from dart_ray.hardware import DTypeChoice, Fingerprint
 from dart_ray.engine.metrics import EngineStats
 from dart_ray.engine.request import Completion, Request, RequestOutput
 from dart_ray.masks import attention_mask, causal_ancestors
 from dart_ray.models.loading import LoadedTarget
 from dart_ray.tree import TokenTree, empty_tree
+from dart_ray.verify.logits import NodeLogits
 
 PromptLike = str | list[int] | list[dict]
+
+MIN_TREE_SCRATCH = 64
+"""Cache slots reserved beyond ``max_model_len`` for the draft tree (at least this many, so a profile
+loaded later can use trees of this size). Trees are capped to the reserve, never the request."""
 
 
 class PromptTooLongError(ValueError):
@@ -56,7 +64,11 @@ def encode_prompt(tokenizer, prompt: PromptLike, chat: bool = False) -> list[int
 
 
 class Engine:
-    def __init__(self, target: LoadedTarget, drafter: Drafter, config: EngineConfig) -> None:
+    def __init__(self, target: LoadedTarget, drafter: Drafter, config: EngineConfig,
+                 cost_model: CostModel | None = None, dtype_choice: DTypeChoice | None = None) -> None:
+        """``cost_model``: the verify cost model to use (None = measure it, or load it from the
+        hardware cache; tests pass synthetic ones). ``dtype_choice``: how ``config.dtype`` was resolved
+        (:meth:`from_config` passes it)."""
         self.target = target
         self.model = target.model
         self.tokenizer = target.tokenizer
@@ -64,35 +76,82 @@ class Engine:
         self.drafter = drafter
         self.decoding = config.decoding
         self._schedule = None
-        args = target.args
-        self.max_seq_len = config.max_seq_len
-        if args.sliding_window:
-            self.max_seq_len = min(self.max_seq_len, args.sliding_window)
+        self.device = self.model.embed.weight.device
+        self.dtype = self.model.embed.weight.dtype
+        dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        self.dtype_choice = dtype_choice or DTypeChoice(dtype_name, config.dtype, "given")
+        self.fingerprint = Fingerprint.current(self.device, dtype_name, target.model_id, config.num_threads)
+        # what a request can use (prompt + generated); the draft-tree scratch lies beyond it
+        self.scratch = drafter.max_tree_nodes(config.decoding)
+        if self.scratch > 0:
+            self.scratch = max(self.scratch, MIN_TREE_SCRATCH)
+        self.max_model_len = config.max_seq_len
+        if target.args.sliding_window:  # attention has no sliding window: stay inside it
+            self.max_model_len = min(self.max_model_len, target.args.sliding_window - self.scratch - 1)
+        self.max_seq_len = self.max_model_len
+        capacity = self.max_model_len + self.scratch + 1
         self.max_batch = config.max_batch_size
-        self.cache = self.model.new_cache(self.max_batch, self.max_seq_len)
-        self.tokens = np.zeros((self.max_batch, self.max_seq_len), dtype=np.int64)  # committed ids per row
-        self.drafter.allocate(self.max_batch, self.max_seq_len)
+        self.cache = self.model.new_cache(self.max_batch, capacity)
+        self.tokens = np.zeros((self.max_batch, capacity), dtype=np.int64)  # committed ids per row
+        self.drafter.allocate(self.max_batch, capacity)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.metrics = EngineStats()
         self.eos_ids = frozenset(self._eos_ids())
-        self.device = self.model.embed.weight.device
-        self.dtype = self.model.embed.weight.dtype
         self._maybe_pack(config.pack_weights)
+        self.controller: SpeculationController | None = None
+        if config.adaptive and self.scratch > 0:
+            self.controller = SpeculationController(cost_model or self._measured_cost_model())
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
-        """Load target, drafter and N-gram model as the config says (weights load once here)."""
+    def from_config(cls, config: EngineConfig, cost_model: CostModel | None = None) -> Engine:
+        """Load target, drafter and N-gram model as the config says (weights load once here).
+
+        ``dtype="auto"`` is resolved first (:func:`dart_ray.hardware.resolve_dtype`); the engine's
+        ``config`` carries the concrete dtype and ``dtype_choice`` says why."""
+        import logging
+
         from dart_ray.drafters import make_drafter
+        from dart_ray.hardware import resolve_dtype
         from dart_ray.models import load_target
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        choice = resolve_dtype(config.dtype, config.device)
+        config = config.replace(dtype=choice.dtype)
         target = load_target(config.model, config.dtype, config.device, config.max_seq_len)
         drafter = make_drafter(config, target)
-        return cls(target, drafter, config)
+        engine = cls(target, drafter, config, cost_model=cost_model, dtype_choice=choice)
+        logging.getLogger(__name__).info("engine: %s (%s, dtype %s: %s)", config.method,
+                                         engine.fingerprint.summary(), choice.dtype, choice.reason)
+        return engine
+
+    def _measured_cost_model(self) -> CostModel:
+        """Verify cost on this machine for the grid of batch sizes x tree sizes: cached per
+        fingerprint, else measured now (a few seconds for SmolLM2 on 2 cores)."""
+        cap = self.cache.max_seq_len
+        ctx = min(128, cap // 4)
+        tokens = [t for t in TOKEN_GRID if t <= self.scratch + 1]
+        bigger = [t for t in TOKEN_GRID if t > self.scratch + 1 and ctx + t <= cap]
+        tokens += bigger[:1]                                   # one point beyond, for interpolation
+        batches = batch_grid(self.max_batch)
+        fp = self.fingerprint.to_dict()
+        key = f"{self.fingerprint.key()}-b{batches[-1]}-t{tokens[-1]}"
+        return load_or_measure(key, fp, lambda B, T: self._timing_forward(B, T, ctx), batches, tokens)
+
+    def _timing_forward(self, B: int, T: int, ctx: int) -> None:
+        """A verify-shaped forward over rows 0..B-1 (``ctx`` slots of context, ``T`` new tokens,
+        taps, the LM head on half the nodes); nothing is committed."""
+        dev = self.device
+        starts = [ctx] * B
+        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        positions = (ctx + torch.arange(T, device=dev)).expand(B, T)
+        mask = attention_mask(starts, causal_ancestors(T, dev), ctx + T, self.dtype) if T > 1 else None
+        out = self.model(tokens, positions, mask, self.cache, rows=slice(0, B), starts=starts,
+                         taps=self.drafter.taps, return_logits=False)
+        self.model.head(out.hidden[:, : (T + 1) // 2])
 
     def _maybe_pack(self, pack: bool | None) -> None:
         from dart_ray.models.packing import PackedLinear, pack_linears, packing_supported
@@ -127,6 +186,8 @@ class Engine:
             self._schedule = decoding
         else:
             raise TypeError(f"expected DecodingConfig or a schedule, got {type(decoding).__name__}")
+        if self.controller is not None:
+            self.controller.reset_acceptance()   # other knobs, other trees: learn acceptance again
 
     def decoding_for(self, batch_size: int) -> DecodingConfig:
         return self._schedule.for_batch_size(batch_size) if self._schedule is not None else self.decoding
@@ -142,17 +203,11 @@ class Engine:
         V = self.target.args.vocab_size
         if min(ids) < 0 or max(ids) >= V:
             raise ValueError(f"prompt token ids must be in [0, {V})")
-        limit = self.max_seq_len - self._max_tree_nodes() - 2
+        limit = self.max_model_len - 1
         if len(ids) > limit:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the context allows at most {limit} "
-                f"(max_seq_len {self.max_seq_len} minus tree scratch)")
-
-    def _max_tree_nodes(self) -> int:
-        """Tree scratch to reserve: the largest tree any batch size of the active knobs may draft."""
-        entries = getattr(self._schedule, "entries", None)
-        configs = [c for _, c in entries] if entries else [self.decoding]
-        return max(self.drafter.max_tree_nodes(c) for c in configs)
+                f"(max_model_len {self.max_model_len}, at least one token to generate)")
 
     def add_request(self, prompt: PromptLike, params: SamplingParams | None = None,
                     request_id: str | None = None, chat: bool = False) -> str:
@@ -248,51 +303,61 @@ class Engine:
 
     def _decode(self, outputs: list[RequestOutput]) -> None:
         m = self.metrics
-        B = len(self.running)
-        decoding = self.decoding_for(B)
-        self._finish_overflowing(decoding, outputs)
-        B = len(self.running)
-        if B == 0:
-            return
         reqs = self.running
+        B = len(reqs)
         dev = self.device
+        decoding = self.decoding_for(B)
+        max_nodes = min(self.drafter.max_tree_nodes(decoding), self.scratch)
+        n = self.controller.plan(B, max_nodes) if self.controller is not None else max_nodes
         t0 = time.perf_counter()
         tree_before = self.drafter.tree_time_s
         roots = torch.tensor([r.root for r in reqs], dtype=torch.long, device=dev)
         view = BatchView(roots=roots, lengths=self.cache.lengths[:B], tokens=self.tokens, decoding=decoding,
                          params=[r.params for r in reqs], generators=[r.generator for r in reqs])
-        tree = self.drafter.propose(view)                                        # draft + tree search
+        if n > 0:
+            tree = self.drafter.propose(view).truncate(n)                       # draft + tree search
+        else:
+            tree = empty_tree(roots)                                             # a plain AR step
+            m.ar_steps += 1
         t1 = time.perf_counter()
         tree_dt = self.drafter.tree_time_s - tree_before
         m.draft_s += (t1 - t0) - tree_dt
         m.tree_s += tree_dt
 
-        out = self._verify(tree)                                                 # one target forward
+        logits, taps = self._verify(tree)                                       # one target forward
         t2 = time.perf_counter()
         m.verify_s += t2 - t1
 
-        acc = self._accept(tree, out.logits, reqs)                               # path + bonus
+        acc = self._accept(tree, logits, reqs)                                   # path + bonus
         num_committed = (acc.num_accepted + 1).tolist()                          # root + accepted drafts
-        path_tokens = self._commit(tree, acc, out.taps, num_committed, view)   # [B][d+1] ids on the path
+        path_tokens = self._commit(tree, acc, taps, num_committed, view)       # [B][d+1] ids on the path
+        m.head_rows += logits.head_rows
         t3 = time.perf_counter()
         m.accept_s += t3 - t2
 
         m.steps += 1                                                             # emit
         bonus = acc.bonus.tolist()
         n_draft = tree.valid.sum(1).sub(1).tolist()
+        depth = int(tree.depths.max())
         finished = []
         for b, r in enumerate(reqs):
             k = num_committed[b] - 1
             r.stats.record(n_draft[b], k)
-            m.record_row(n_draft[b], k)
+            m.record_row(n_draft[b], k, depth if n_draft[b] else 0)
             r.root = bonus[b]
             if self._emit(r, path_tokens[b][1:k + 1] + [bonus[b]], outputs):
                 finished.append(r)
         if finished:
             self._release(finished)
-        m.other_s += time.perf_counter() - t3
+        t4 = time.perf_counter()
+        m.other_s += t4 - t3
+        if self.controller is not None:
+            paths = [p[1:k] for p, k in zip(acc.path.tolist(), num_committed)] if n > 0 else []
+            self.controller.record(B, n, paths, draft_s=t1 - t0, verify_s=t2 - t1,
+                                   tokens_per_row=tree.num_nodes, overhead_s=t4 - t2)
 
-    def _verify(self, tree: TokenTree):
+    def _verify(self, tree: TokenTree) -> tuple[NodeLogits, torch.Tensor | None]:
+        """One target forward over [root, tree]; the LM head only where acceptance can use it."""
         B, T = tree.tokens.shape
         starts = self.cache.lengths[:B]
         positions = torch.tensor(starts, device=self.device)[:, None] + tree.depths   # [B, 1+N]
@@ -300,10 +365,11 @@ class Engine:
             mask = None  # one new token per row, equal lengths: it sees every committed slot
         else:
             mask = attention_mask(starts, tree.ancestors(), max(starts) + T, self.dtype)
-        return self.model(tree.tokens, positions, mask, self.cache, rows=slice(0, B), starts=starts,
-                          taps=self.drafter.taps)
+        out = self.model(tree.tokens, positions, mask, self.cache, rows=slice(0, B), starts=starts,
+                         taps=self.drafter.taps, return_logits=False)
+        return NodeLogits.lazy(tree, out.hidden, self.model.head), out.taps
 
-    def _accept(self, tree: TokenTree, logits: torch.Tensor, reqs: list[Request]):
+    def _accept(self, tree: TokenTree, logits: torch.Tensor | NodeLogits, reqs: list[Request]):
         from dart_ray.verify import accept
 
         return accept(tree, logits, [r.params for r in reqs], [r.generator for r in reqs])
@@ -333,7 +399,11 @@ class Engine:
 
     # ---- emission / stop conditions ---------------------------------------------------------
     def _emit(self, r: Request, new_ids: list[int], outputs: list[RequestOutput]) -> bool:
-        """Append tokens to ``r`` honouring stop conditions; stream a delta. True if finished."""
+        """Append tokens to ``r`` honouring stop conditions; stream a delta. True if finished.
+
+        Token ids, usage and text agree for every finish reason: tokens after a stop id, after
+        ``max_new_tokens``, past ``max_model_len``, or after the token that completes a stop string
+        are dropped (a step may have accepted several)."""
         p = r.params
         kept: list[int] = []
         reason = None
@@ -343,19 +413,24 @@ class Engine:
             if t in r.stop_ids:
                 reason = "stop"
                 break
-            if len(r.output_ids) >= p.max_new_tokens:
+            if len(r.output_ids) >= p.max_new_tokens or \
+                    len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
                 reason = "length"
                 break
-        self.metrics.generated_tokens += len(kept)
         r.detok.push(kept)
         text = r.detok.text
         if p.stop:
             lo = max(0, r.emitted_text_len - max(len(s) for s in p.stop))
-            hits = [i for i in (text.find(s, lo) for s in p.stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((text.find(s, lo), s) for s in p.stop) if i >= 0]
             if hits:
-                cut = min(hits)
+                cut, n_stop = min(hits)
                 r.detok.text = text = text[:cut]
                 reason = "stop"
+                keep = self._tokens_through(r, len(kept), cut + n_stop)
+                if keep < len(kept):
+                    del r.output_ids[keep - len(kept):]
+                    kept = kept[:keep]
+        self.metrics.generated_tokens += len(kept)
         if reason:
             r.finished, r.finish_reason = True, reason
             upto = len(text)
@@ -367,19 +442,20 @@ class Engine:
         outputs.append(self._output(r, kept, delta))
         return r.finished
 
+    def _tokens_through(self, r: Request, n_new: int, end: int) -> int:
+        """How many of the last ``n_new`` output tokens it takes for the text to reach ``end``
+        characters (the token that completes a stop string is the last one kept)."""
+        before = len(r.output_ids) - n_new
+        for j in range(1, n_new):
+            text = self.tokenizer.decode(r.output_ids[:before + j], skip_special_tokens=r.detok.skip)
+            if len(text) >= end:
+                return j
+        return n_new
+
     def _output(self, r: Request, ids: list[int], text: str) -> RequestOutput:
         return RequestOutput(request_id=r.request_id, new_token_ids=ids, new_text=text, finished=r.finished,
                              finish_reason=r.finish_reason, num_prompt_tokens=len(r.prompt_ids),
                              num_generated_tokens=len(r.output_ids), stats=r.stats)
-
-    def _finish_overflowing(self, decoding: DecodingConfig, outputs: list[RequestOutput]) -> None:
-        need = self.drafter.max_tree_nodes(decoding) + 2  # root + tree scratch + the bonus
-        over = [r for r in self.running if self.cache.lengths[r.row] + need > self.max_seq_len]
-        for r in over:
-            r.finished, r.finish_reason = True, "length"
-            outputs.append(self._output(r, [], r.detok.text[r.emitted_text_len:]))
-        if over:
-            self._release(over)
 
     def _release(self, reqs: Iterable[Request]) -> None:
         """Free the rows of finished requests, compacting the running block to rows 0..B-1."""

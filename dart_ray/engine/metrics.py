@@ -12,6 +12,17 @@ class EngineStats:
     row_steps: int = 0
     """Sum over steps of running rows (= drafts proposed)."""
     draft_tokens: int = 0
+    """Draft tree nodes verified, summed over rows and steps."""
+    draft_depth_tokens: int = 0
+    """Speculated positions: per row-step the depth of the verified tree (0 on a plain step). This is
+    vLLM's "draft tokens" for a tree: accepted_tokens / draft_depth_tokens is the acceptance rate
+    a vLLM dashboard computes, and stays in [0, 1]."""
+    spec_row_steps: int = 0
+    """Row-steps that verified at least one draft node (vLLM's "drafts")."""
+    ar_steps: int = 0
+    """Decode steps the adaptive controller ran as plain AR steps (no drafting)."""
+    head_rows: int = 0
+    """LM-head rows computed in decode steps (the lazy head skips leaves that cannot be used)."""
     accepted_tokens: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)
     generated_tokens: int = 0
@@ -32,9 +43,13 @@ class EngineStats:
     def mean_accepted_len(self) -> float:
         return (self.accepted_tokens + self.row_steps) / self.row_steps if self.row_steps else 0.0
 
-    def record_row(self, num_draft: int, num_accepted: int) -> None:
+    def record_row(self, num_draft: int, num_accepted: int, depth: int = 0) -> None:
+        """One row of one step: ``num_draft`` tree nodes of depth ``depth`` verified, ``num_accepted``
+        of them accepted."""
         self.row_steps += 1
         self.draft_tokens += num_draft
+        self.draft_depth_tokens += depth
+        self.spec_row_steps += num_draft > 0
         self.accepted_tokens += num_accepted
         if num_accepted > len(self.accepted_per_depth):
             self.accepted_per_depth.extend([0] * (num_accepted - len(self.accepted_per_depth)))

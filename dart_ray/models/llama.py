@@ -92,7 +92,7 @@ class Block(nn.Module):
 class ForwardOutput:
     logits: torch.Tensor | None  # [B, T', V] (T' = T, or the gathered positions)
     taps: torch.Tensor | None    # [B, T, len(taps) * H] residual inputs of the tapped layers
-    hidden: torch.Tensor | None = None  # [B, T', H] final-norm hidden (only when asked)
+    hidden: torch.Tensor | None = None  # [B, T, H] final residual, pre-norm (when logits are not asked)
 
 
 class Transformer(nn.Module):
@@ -137,7 +137,7 @@ class Transformer(nn.Module):
         starts: list[int] | None = None,      # per-row write start slot (default: committed length)
         taps: tuple[int, ...] = (),           # layers whose input residual to return (L = final residual)
         logits_at: torch.Tensor | None = None,  # [B, K] positions to compute logits at (None = all)
-        return_logits: bool = True,
+        return_logits: bool = True,           # False: return the final residual (``hidden``) instead
     ) -> ForwardOutput:
         B, T = tokens.shape
         rows = slice(0, B) if rows is None else rows
@@ -159,9 +159,8 @@ class Transformer(nn.Module):
         if taps:
             order = sorted(taps)
             tap_out = torch.cat([tapped[order.index(t)] for t in taps], dim=-1)  # [B, T, nT*H]
-        logits = None
-        if return_logits:
-            if logits_at is not None:
-                x = torch.gather(x, 1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, K, H]
-            logits = self.head(x)
-        return ForwardOutput(logits=logits, taps=tap_out)
+        if not return_logits:                                    # the caller runs self.head where needed
+            return ForwardOutput(logits=None, taps=tap_out, hidden=x)
+        if logits_at is not None:
+            x = torch.gather(x, 1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, K, H]
+        return ForwardOutput(logits=self.head(x), taps=tap_out)

@@ -41,9 +41,10 @@ Duplicate siblings cannot occur: the children of one parent are the ``k`` distin
 of a single distribution, and every beam is a distinct pool node.
 
 Output: a :class:`~dart_ray.tree.tree.TokenTree` with ``1 + N`` nodes, ``N`` = the largest number
-of valid nodes over the batch (``<= tree_budget``). Draft nodes are ordered by (depth ascending,
-score descending, pool id ascending), so parents precede children; rows with fewer valid nodes are
-padded (``valid=False``, parent 0, depth 1, token 0).
+of valid nodes over the batch (``<= tree_budget``). Draft nodes are in *priority order*: effective
+score descending, ties by pool id ascending -- so parents precede children and the first ``n`` nodes
+are exactly the tree this search returns with ``tree_budget = n`` (the adaptive controller truncates
+trees that way). Rows with fewer valid nodes are padded (``valid=False``, parent 0, depth 1, token 0).
 :func:`build_trees_with_scores` also returns the node scores ``[B, 1+N]`` (root 0, padding
 ``-inf``).
 """
@@ -256,20 +257,11 @@ def build_trees_with_scores(
     sel = sel[:, :n_out]                                                 # [B, N]
     sel_valid = sel_valid[:, :n_out]                                     # [B, N]
 
-    # Output order: depth asc, score desc, pool id asc; padding last. Three stable sorts, least
-    # significant key first.
-    sel = torch.sort(sel, dim=1).values                                  # [B, N] pool id asc
-    sel_score = score_all.gather(1, sel)                                 # [B, N]
-    perm = torch.sort(sel_score, dim=1, descending=True, stable=True).indices  # [B, N]
-    sel = sel.gather(1, perm)                                            # [B, N]
-    sel_valid = eff_all.gather(1, sel) > _NEG_INF                        # [B, N]
+    # Output order = priority order: effective score descending, ties by pool id ascending (what
+    # _top_desc returns), valid nodes first. A parent always precedes its children, and every prefix
+    # of the node list is the best tree of that size -- the engine's adaptive controller truncates
+    # trees to their first n nodes.
     sel_lvl = torch.searchsorted(starts, sel, right=True) - 1            # [B, N] level of each node
-    depth_key = torch.where(sel_valid, sel_lvl, torch.full_like(sel, d))  # [B, N]
-    perm = torch.sort(depth_key, dim=1, stable=True).indices             # [B, N]
-    sel = sel.gather(1, perm)                                            # [B, N] final order
-    sel_valid = sel_valid.gather(1, perm)                                # [B, N]
-    sel_lvl = sel_lvl.gather(1, perm)                                    # [B, N]
-
     # Map pool slots to output positions with one scatter; unselected slots stay -1.
     pos = torch.full((B, 1 + P), -1, dtype=torch.long, device=dev)       # [B, 1+P]
     pos[:, 0] = 0

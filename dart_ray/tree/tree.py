@@ -41,6 +41,20 @@ class TokenTree:
         q = None if self.draft_probs is None else self.draft_probs.to(device)
         return TokenTree(*(t.to(device) for t in (self.tokens, self.parents, self.depths, self.valid)), q)
 
+    def truncate(self, n: int) -> "TokenTree":
+        """The trees cut to their first ``n`` draft nodes (and the columns no row uses dropped).
+
+        Drafters emit nodes in priority order with parents first, so the cut is prefix-closed and is
+        the best ``n``-node tree the drafter would have built (``dart_ray.engine.controller``)."""
+        n_cols = min(1 + max(n, 0), self.num_nodes)
+        used = self.valid[:, :n_cols].any(0).nonzero()
+        n_cols = int(used.max()) + 1 if used.numel() else 1
+        if n_cols == self.num_nodes:
+            return self
+        q = None if self.draft_probs is None else self.draft_probs[:, :n_cols]
+        return TokenTree(self.tokens[:, :n_cols], self.parents[:, :n_cols], self.depths[:, :n_cols],
+                         self.valid[:, :n_cols], q)
+
     def select_rows(self, idx: torch.Tensor) -> "TokenTree":
         """The trees of rows ``idx`` ([n] int64)."""
         q = None if self.draft_probs is None else self.draft_probs.index_select(0, idx)
@@ -155,12 +169,14 @@ def pack_trees(roots: torch.Tensor, trees: list[tuple[list[int], list[int]]]) ->
 
 
 def merge_paths(tree: TokenTree, paths: list[list[list[int]]]) -> TokenTree:
-    """Add token paths (each starting below the root) to every row's tree, sharing existing nodes.
+    """Add token paths (each starting below the root) to every row's tree, sharing nodes.
 
-    ``paths[b]`` is a list of token lists for row b. A path follows existing children while their
-    tokens match and appends new nodes after that (children after parents, so the result stays
-    topologically ordered). Invalid (padding) nodes are dropped. Only deterministic trees can be
-    merged (``draft_probs`` is None).
+    ``paths[b]`` is a list of token lists for row b. The paths come FIRST in the merged node list
+    (they are copies of earlier text, accepted in long runs where they match, so they lead the
+    priority order the adaptive controller truncates by), then the tree's own valid nodes in their
+    order; a node whose (parent, token) already exists is shared, not repeated. Parents precede
+    children, so the result stays topologically ordered. Only deterministic trees can be merged
+    (``draft_probs`` is None).
     """
     if tree.draft_probs is not None:
         raise ValueError("merge_paths: trees with sampled drafts (draft_probs) cannot take extra paths")
@@ -171,26 +187,25 @@ def merge_paths(tree: TokenTree, paths: list[list[list[int]]]) -> TokenTree:
     toks, pars, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
     rows: list[tuple[list[int], list[int]]] = []
     for b in range(tree.batch_size):
-        new_index = {0: 0}
         tokens: list[int] = []
         parents: list[int] = []
         children: dict[tuple[int, int], int] = {}
-        for i in range(1, len(toks[b])):
-            if not valid[b][i]:
-                continue
-            p = new_index[pars[b][i]]
-            tokens.append(toks[b][i])
-            parents.append(p)
-            new_index[i] = len(tokens)
-            children.setdefault((p, toks[b][i]), len(tokens))
+
+        def add(parent: int, tok: int) -> int:
+            node = children.get((parent, tok))
+            if node is None:
+                tokens.append(tok)
+                parents.append(parent)
+                node = children[(parent, tok)] = len(tokens)
+            return node
+
         for path in paths[b]:
             node = 0
             for t in path:
-                nxt = children.get((node, t))
-                if nxt is None:
-                    tokens.append(t)
-                    parents.append(node)
-                    nxt = children[(node, t)] = len(tokens)
-                node = nxt
+                node = add(node, t)
+        new_index = {0: 0}
+        for i in range(1, len(toks[b])):
+            if valid[b][i]:
+                new_index[i] = add(new_index[pars[b][i]], toks[b][i])
         rows.append((tokens, parents))
     return pack_trees(tree.tokens[:, 0], rows)

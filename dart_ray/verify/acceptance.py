@@ -40,6 +40,7 @@ import torch
 
 from dart_ray.config import SamplingParams
 from dart_ray.tree.tree import TokenTree
+from dart_ray.verify.logits import NodeLogits, internal_nodes
 
 __all__ = ["Acceptance", "accept", "greedy_accept", "processed_probs", "sample_accept"]
 
@@ -164,17 +165,24 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def greedy_accept(tree: TokenTree, logits: torch.Tensor) -> Acceptance:
-    """Greedy verification. ``logits``: ``[B, 1+N, V]`` from one target forward over the tree.
+def greedy_accept(tree: TokenTree, logits: torch.Tensor | NodeLogits) -> Acceptance:
+    """Greedy verification. ``logits``: ``[B, 1+N, V]`` from one target forward over the tree, or a
+    :class:`~dart_ray.verify.logits.NodeLogits` (the LM head run only where it is needed).
 
     Node ``i`` is correct iff it is valid and ``tokens[i] == argmax(logits[parents[i]])``; the
     accepted node is the deepest node whose whole path is correct (lowest index among equals).
+    Only the root's and internal nodes' argmax decide acceptance; a leaf's logits are read only if
+    it is the accepted node (its argmax is the bonus).
     Vectorised: the only Python loops run over depth levels.
     """
     B, T = tree.tokens.shape
-    if logits.shape[:2] != (B, T):
-        raise ValueError(f"logits shape {tuple(logits.shape)} does not match tree {(B, T)}")
-    pred = greedy_tokens(logits)  # [B, T] target's next token at each node
+    nl = NodeLogits.of(logits)
+    if tuple(nl.shape) != (B, T):
+        raise ValueError(f"logits shape {tuple(nl.shape)} does not match tree {(B, T)}")
+    dev = nl.device
+    rows_i, nodes_i = internal_nodes(tree).nonzero(as_tuple=True)
+    pred = torch.full((B, T), -1, dtype=torch.long, device=dev)  # [B, T] target's next token (internal nodes)
+    pred[rows_i, nodes_i] = greedy_tokens(nl.at(rows_i, nodes_i))
     par = tree.parents.clamp(min=0)  # [B, T]
     correct = tree.valid & (tree.tokens == pred.gather(1, par))  # [B, T]
     correct[:, 0] = True
@@ -182,11 +190,15 @@ def greedy_accept(tree: TokenTree, logits: torch.Tensor) -> Acceptance:
     ok = correct  # [B, T] whole path correct
     for _ in range(max(d - 1, 0)):  # one level of propagation per pass
         ok = correct & ok.gather(1, par)
-    idx = torch.arange(T, device=logits.device)
+    idx = torch.arange(T, device=dev)
     score = torch.where(ok, tree.depths * T + (T - 1 - idx), torch.full_like(tree.depths, -1))
     last = score.argmax(dim=1)  # [B] deepest, then lowest index
     num = tree.depths.gather(1, last[:, None])[:, 0]  # [B]
     bonus = pred.gather(1, last[:, None])[:, 0]  # [B]
+    leaf = bonus < 0  # accepted a leaf: its logits were not needed until now
+    if bool(leaf.any()):
+        rows = torch.arange(B, device=dev)[leaf]
+        bonus[leaf] = greedy_tokens(nl.at(rows, last[leaf]))
     return Acceptance(path=_path_to(tree, last, d + 1), num_accepted=num, bonus=bonus)
 
 
@@ -201,9 +213,38 @@ def _uniforms(n: int, gen: torch.Generator | None) -> list[float]:
     return torch.rand(n, generator=gen, dtype=torch.float64, device=gen.device).tolist()
 
 
+class _NodeProbs:
+    """Processed target probabilities at tree nodes (the sampling distribution), from NodeLogits:
+    eager on internal nodes, on demand elsewhere, each row with its own temperature / top-k / top-p."""
+
+    def __init__(self, tree: TokenTree, logits: NodeLogits, temperature, top_k, top_p) -> None:
+        self.logits = logits
+        self.params = (temperature, top_k, top_p)
+        B, T = tree.tokens.shape
+        dev = logits.device
+        rows, nodes = internal_nodes(tree).nonzero(as_tuple=True)
+        self.slot = torch.full((B, T), -1, dtype=torch.long, device=dev)  # [B, T] row of self.probs
+        self.slot[rows, nodes] = torch.arange(rows.shape[0], device=dev)
+        self.probs = self._compute(rows, nodes)                           # [K, V] float32
+
+    def _compute(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        t, k, p = (v[rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for v in self.params)
+        return processed_probs(self.logits.at(rows, nodes), t, k, p)
+
+    def at(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        """``[n, V]`` probabilities at (rows[j], nodes[j]); nodes without logits yet are computed."""
+        slot = self.slot[rows, nodes]
+        out = torch.empty(rows.shape[0], self.probs.shape[-1], dtype=self.probs.dtype, device=self.probs.device)
+        have = slot >= 0
+        out[have] = self.probs[slot[have]]
+        if not bool(have.all()):
+            out[~have] = self._compute(rows[~have], nodes[~have])
+        return out
+
+
 def sample_accept(
     tree: TokenTree,
-    logits: torch.Tensor,
+    logits: torch.Tensor | NodeLogits,
     temperature: torch.Tensor | float,
     top_k: torch.Tensor | int,
     top_p: torch.Tensor | float,
@@ -211,29 +252,36 @@ def sample_accept(
 ) -> Acceptance:
     """Lossless multi-draft acceptance for deterministic drafts (recursive rejection sampling).
 
-    ``logits``: ``[B, 1+N, V]``; ``temperature`` (> 0), ``top_k``, ``top_p``: scalars or ``[B]``;
-    ``generators[b]`` drives row b (``None`` = torch's default CPU generator). Each call consumes
-    exactly ``n_valid_nodes(b) + 1`` uniforms from ``generators[b]`` (one per child tried, one for
-    the bonus, the rest unused), so a row's random stream depends only on its own tree, not on the
-    batch it is in.
+    ``logits``: ``[B, 1+N, V]`` (or :class:`~dart_ray.verify.logits.NodeLogits`); ``temperature``
+    (> 0), ``top_k``, ``top_p``: scalars or ``[B]``; ``generators[b]`` drives row b (``None`` =
+    torch's default CPU generator). Each call consumes exactly ``n_valid_nodes(b) + 1`` uniforms from
+    ``generators[b]`` (one per child tried, one for the bonus, the rest unused), so a row's random
+    stream depends only on its own tree, not on the batch it is in.
     """
     B, T = tree.tokens.shape
-    if logits.shape[:2] != (B, T):
-        raise ValueError(f"logits shape {tuple(logits.shape)} does not match tree {(B, T)}")
+    nl = NodeLogits.of(logits)
+    if tuple(nl.shape) != (B, T):
+        raise ValueError(f"logits shape {tuple(nl.shape)} does not match tree {(B, T)}")
     if len(generators) != B:
         raise ValueError(f"need one generator per row: got {len(generators)} for batch {B}")
-    dev = logits.device
-    probs = processed_probs(logits, temperature, top_k, top_p)  # [B, T, V] float32
+    t = _per_row(temperature, tree.tokens, torch.float32)
+    if bool((t <= 0).any()):
+        raise ValueError("processed_probs needs temperature > 0 (greedy rows are handled by argmax)")
+    dev = nl.device
+    probs = _NodeProbs(tree, nl, temperature, top_k, top_p)
     par = tree.parents.clamp(min=0)  # [B, T]
     # p_child[b, i] = p(tokens[i] | parent of i): the target mass on node i at its parent
-    p_child = probs[torch.arange(B, device=dev)[:, None], par, tree.tokens]  # [B, T]
+    par_slot = probs.slot.gather(1, par).clamp(min=0)  # [B, T] (every valid node's parent is internal)
+    p_child = probs.probs[par_slot, tree.tokens] if probs.probs.shape[0] else torch.zeros(B, T, device=dev)
     if tree.draft_probs is not None:
-        if tree.draft_probs.shape != probs.shape:
-            raise ValueError(f"draft_probs {tuple(tree.draft_probs.shape)} do not match logits {tuple(probs.shape)}")
-        return _sample_accept_pq(tree, probs, p_child.double().cpu().tolist(), tree.valid.cpu().tolist(), generators)
-    total = probs.sum(dim=-1, dtype=torch.float64)  # [B, T] (1 up to rounding)
+        if tuple(tree.draft_probs.shape[:2]) != (B, T):
+            raise ValueError(f"draft_probs {tuple(tree.draft_probs.shape)} do not match the tree {(B, T)}")
+        return _sample_accept_pq(tree, probs, p_child.double().cpu().tolist(), tree.valid.cpu().tolist(),
+                                 generators)
+    total = probs.probs.sum(dim=-1, dtype=torch.float64)  # [K] (1 up to rounding)
+    node_total = torch.where(probs.slot >= 0, total[probs.slot.clamp(min=0)], 1.0)  # [B, T]
     p_child_l = p_child.double().cpu().tolist()
-    total_l = total.cpu().tolist()
+    total_l = node_total.cpu().tolist()
     tok_l = tree.tokens.cpu().tolist()
     par_l = tree.parents.cpu().tolist()
     valid_l = tree.valid.cpu().tolist()
@@ -283,7 +331,7 @@ def sample_accept(
     # bonus from the residual at each row's last accepted node, all rows at once
     rows = torch.arange(B, device=dev)
     last = torch.tensor(last_nodes, dtype=torch.long, device=dev)  # [B]
-    orig = probs[rows, last]  # [B, V]
+    orig = probs.at(rows, last)  # [B, V]
     resid = orig.clone()
     if rejected_rows:
         rej_r = torch.tensor(rejected_rows, device=dev)
@@ -306,11 +354,11 @@ def _draw(resid: torch.Tensor, orig: torch.Tensor, u: list[float]) -> torch.Tens
     return torch.minimum(bonus, last_pos)  # guard rounding at the top
 
 
-def _sample_accept_pq(tree: TokenTree, probs: torch.Tensor, p_child_l: list, valid_l: list,
+def _sample_accept_pq(tree: TokenTree, probs: _NodeProbs, p_child_l: list, valid_l: list,
                       generators: Sequence[torch.Generator | None]) -> Acceptance:
     """Sampled chain drafts: accept x ~ q w.p. min(1, p(x)/q(x)); else bonus ~ max(p - q, 0)."""
     B, T = tree.tokens.shape
-    dev = probs.device
+    dev = probs.probs.device
     if T > 1 and not bool(((tree.parents[:, 1:] == torch.arange(T - 1, device=tree.parents.device))
                            | ~tree.valid[:, 1:]).all()):
         raise ValueError("draft_probs (sampled drafts) are only supported for chain trees")
@@ -340,7 +388,7 @@ def _sample_accept_pq(tree: TokenTree, probs: torch.Tensor, p_child_l: list, val
         bonus_u.append(u[n_valid])
     rows = torch.arange(B, device=dev)
     last = torch.tensor(last_nodes, dtype=torch.long, device=dev)
-    orig = probs[rows, last]                                               # [B, V]
+    orig = probs.at(rows, last)                                            # [B, V]
     rej_t = torch.tensor(rejected, dtype=torch.long, device=dev)
     q_rej = q[rows, rej_t.clamp(min=0)]                                    # [B, V]
     resid = torch.where((rej_t >= 0)[:, None], (orig - q_rej).clamp(min=0), orig)
@@ -365,7 +413,7 @@ def _acceptance(tree: TokenTree, paths: list[list[int]], bonus: torch.Tensor) ->
 
 def accept(
     tree: TokenTree,
-    logits: torch.Tensor,
+    logits: torch.Tensor | NodeLogits,
     params_list: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> Acceptance:
@@ -378,6 +426,7 @@ def accept(
     if len(params_list) != B or len(generators) != B:
         raise ValueError(f"need one SamplingParams and one generator per row (batch {B})")
     greedy = [b for b, sp in enumerate(params_list) if sp.greedy]
+    logits = NodeLogits.of(logits)
     if len(greedy) == B:
         return greedy_accept(tree, logits)
     # Mixed or all-sampled batch: each rule sees only its own rows (the vocabulary argmax of
@@ -388,13 +437,13 @@ def accept(
                      bonus=torch.zeros(B, dtype=torch.long, device=dev))
     if greedy:
         idx = torch.tensor(greedy, dtype=torch.long, device=dev)
-        _put_rows(out, idx, greedy_accept(tree.select_rows(idx), logits.index_select(0, idx)))
+        _put_rows(out, idx, greedy_accept(tree.select_rows(idx), logits.select_rows(idx)))
     sampled = [b for b, sp in enumerate(params_list) if not sp.greedy]
     idx = torch.tensor(sampled, dtype=torch.long, device=dev)
     temps = torch.tensor([params_list[b].temperature for b in sampled], dtype=torch.float32, device=dev)
     ks = torch.tensor([params_list[b].top_k for b in sampled], dtype=torch.long, device=dev)
     ps = torch.tensor([params_list[b].top_p for b in sampled], dtype=torch.float32, device=dev)
-    sub = sample_accept(tree.select_rows(idx), logits.index_select(0, idx), temps, ks, ps,
+    sub = sample_accept(tree.select_rows(idx), logits.select_rows(idx), temps, ks, ps,
                         [generators[b] for b in sampled])
     _put_rows(out, idx, sub)
     return out

@@ -1,0 +1,190 @@
+"""Adaptive speculation: how many draft nodes to verify this step, down to none.
+
+A step over ``B`` rows that verifies ``n`` draft nodes per row costs (on this machine)::
+
+    cost(B, n) = draft(B) [0 when n = 0]  +  verify(B, n + 1)  +  overhead(B)
+
+and commits ``B * (1 + acc(n))`` tokens, where ``acc(n)`` is the expected number of accepted draft
+tokens per row when the tree is cut to its first ``n`` nodes. The controller picks the ``n`` (from a
+ladder 0, 1, 2, 3, 4, 6, 8, 12, ... up to the configured budget) that maximises
+``B * (1 + acc(n)) / cost(B, n)``. ``n = 0`` is a plain autoregressive step: the drafter is not even
+asked, so the choice can never be slower than plain decoding by more than the estimates' error.
+This generalises vLLM's "disable speculation above a batch size" and SGLang's adaptive speculation:
+the batch size, the machine (:mod:`dart_ray.engine.cost`) and the workload all enter.
+
+**Where acc(n) comes from (per workload, i.e. per engine).** Every drafter emits its tree in
+*priority order* (best node first, parents before children: the beam search's effective score,
+EAGLE's cumulative score, the chain's depth), so "the tree with budget n" is exactly "the first n
+nodes". After a step that verified ``n_used`` nodes, the accepted path's node indices tell, for every
+ladder size ``m <= n_used``, what a tree cut to ``m`` nodes would have accepted: the path's prefix of
+indices ``<= m`` (exact under greedy decoding, where the accepted path is the unique argmax chain).
+So one observed step updates the estimate of every smaller tree at once; estimates are exponential
+moving averages, so they follow a workload that changes.
+
+**Exploration.** Sizes above the chosen one are only learned by trying them: every
+``explore_every`` steps the controller verifies the next ladder size up (one rung, so a probe costs
+little even where big trees are dear). The first steps (``warmup_steps``) use the largest tree whose
+verify costs at most ``warmup_cost_ratio`` plain steps, to learn acceptance at every smaller size.
+
+Drafting, tree search and the per-step overhead (acceptance, commit, emission) are measured online
+per batch size; the verify cost comes from the measured cost model, refined by every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dart_ray.engine.cost import CostModel
+
+LADDER: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+"""Tree sizes (draft nodes) the controller chooses among; the configured budget is always added."""
+
+
+@dataclass
+class ControllerConfig:
+    """Knobs of the adaptive controller (defaults are what the benchmarks ran)."""
+
+    alpha: float = 0.05
+    """Weight of one row-step in the acceptance moving averages (per row; a batch weighs more)."""
+    timing_alpha: float = 0.1
+    """Weight of one step in the drafting/overhead time moving averages."""
+    explore_every: int = 16
+    """Every this many decode steps, verify one ladder rung above the current choice."""
+    warmup_steps: int = 4
+    """Decode steps at the start (and after a knob change) that verify the warm-up tree."""
+    warmup_cost_ratio: float = 4.0
+    """The warm-up tree is the largest whose verify costs at most this many plain decode steps."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.alpha <= 1.0 or not 0.0 < self.timing_alpha <= 1.0:
+            raise ValueError("alpha and timing_alpha must be in (0, 1]")
+        if self.explore_every < 1 or self.warmup_steps < 0 or self.warmup_cost_ratio < 1.0:
+            raise ValueError("explore_every >= 1, warmup_steps >= 0 and warmup_cost_ratio >= 1 required")
+
+
+def ladder_upto(max_nodes: int) -> list[int]:
+    """The ladder sizes <= ``max_nodes``, with ``max_nodes`` itself last."""
+    sizes = [n for n in LADDER if n < max_nodes]
+    return sizes + [max_nodes] if max_nodes > 0 else [0]
+
+
+def accepted_within(path_nodes: list[int], m: int) -> int:
+    """Accepted draft tokens had the tree been cut to its first ``m`` nodes: the prefix of the
+    accepted path (node indices, root excluded, increasing) that lies within nodes ``1..m``."""
+    k = 0
+    for node in path_nodes:
+        if node > m:
+            break
+        k += 1
+    return k
+
+
+@dataclass
+class SpeculationController:
+    """Chooses the number of draft nodes per step; learns acceptance and timings online."""
+
+    cost: CostModel
+    config: ControllerConfig = field(default_factory=ControllerConfig)
+    acc: dict[int, float] = field(default_factory=dict)
+    """Ladder size n -> expected accepted draft tokens per row with the tree cut to n nodes."""
+    draft_s: dict[int, float] = field(default_factory=dict)
+    """Batch size -> seconds of drafting + tree search per step (moving average)."""
+    overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
+    """(batch size, speculated?) -> seconds of acceptance + commit + emission per step."""
+    steps: int = 0
+    """Decode steps planned since the last reset."""
+    last_choice: int = 0
+    """The size chosen at the last step (reported in stats)."""
+
+    def reset_acceptance(self) -> None:
+        """Forget acceptance (the decoding knobs changed, so the trees did too) and warm up again."""
+        self.acc.clear()
+        self.steps = 0
+
+    # ---- the decision ------------------------------------------------------------------------------
+    def expected_accepted(self, n: int) -> float:
+        """acc(n): observed, else the largest observed smaller size's (a lower bound: acceptance
+        never falls when a tree grows), else 0."""
+        if n <= 0:
+            return 0.0
+        if n in self.acc:
+            return self.acc[n]
+        below = [m for m in self.acc if m < n]
+        return self.acc[max(below)] if below else 0.0
+
+    def step_seconds(self, B: int, n: int) -> float:
+        draft = self.draft_s.get(B, self._nearest(self.draft_s, B, 0.0)) if n > 0 else 0.0
+        over = self.overhead_s.get((B, n > 0), self._nearest_over(B, n > 0))
+        return draft + self.cost.verify_s(B, n + 1) + over
+
+    def rate(self, B: int, n: int) -> float:
+        """Expected committed tokens per second of a step over ``B`` rows verifying ``n`` nodes."""
+        return B * (1.0 + self.expected_accepted(n)) / self.step_seconds(B, n)
+
+    def best(self, B: int, max_nodes: int) -> int:
+        sizes = ladder_upto(max_nodes)
+        return max(sizes, key=lambda n: (self.rate(B, n), -n))
+
+    def plan(self, B: int, max_nodes: int) -> int:
+        """Draft nodes to verify this step for ``B`` rows (0 = plain decoding, skip the drafter)."""
+        self.steps += 1
+        if max_nodes <= 0:
+            n = 0
+        elif self.steps <= self.config.warmup_steps or not self.acc:
+            n = self._warmup_size(B, max_nodes)
+        else:
+            n = self.best(B, max_nodes)
+            if self.steps % self.config.explore_every == 0 and n < max_nodes:
+                sizes = ladder_upto(max_nodes)
+                n = sizes[sizes.index(n) + 1]
+        self.last_choice = n
+        return n
+
+    def _warmup_size(self, B: int, max_nodes: int) -> int:
+        limit = self.config.warmup_cost_ratio * self.cost.verify_s(B, 1)
+        fits = [n for n in ladder_upto(max_nodes) if n > 0 and self.cost.verify_s(B, n + 1) <= limit]
+        return max(fits) if fits else 1
+
+    # ---- learning ------------------------------------------------------------------------------------
+    def record(self, B: int, n_used: int, accepted_paths: list[list[int]], draft_s: float,
+               verify_s: float, tokens_per_row: int, overhead_s: float) -> None:
+        """One decode step: ``accepted_paths[b]`` = accepted node indices of row b (root excluded);
+        ``n_used`` nodes were allowed; the forward covered ``tokens_per_row`` tokens per row."""
+        self.cost.observe(B, tokens_per_row, verify_s)
+        a = self.config.timing_alpha
+        key = (B, n_used > 0)
+        self.overhead_s[key] = _ema(self.overhead_s.get(key), overhead_s, a)
+        if n_used <= 0 or not accepted_paths:
+            return
+        self.draft_s[B] = _ema(self.draft_s.get(B), draft_s, a)
+        w = 1.0 - (1.0 - self.config.alpha) ** len(accepted_paths)     # a batch step weighs B row-steps
+        for m in ladder_upto(n_used):
+            if m == 0:
+                continue
+            mean = sum(accepted_within(p, m) for p in accepted_paths) / len(accepted_paths)
+            self.acc[m] = _ema(self.acc.get(m), mean, w)
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    @staticmethod
+    def _nearest(d: dict[int, float], B: int, default: float) -> float:
+        if not d:
+            return default
+        b = min(d, key=lambda x: abs(x - B))
+        return d[b] * max(B, 1) / max(b, 1) if b < B else d[b]
+
+    def _nearest_over(self, B: int, spec: bool) -> float:
+        same = {b: s for (b, sp), s in self.overhead_s.items() if sp == spec}
+        if same:
+            return self._nearest(same, B, 0.0)
+        other = {b: s for (b, _), s in self.overhead_s.items()}
+        return self._nearest(other, B, 0.0)
+
+    def snapshot(self) -> dict:
+        """What the controller believes now (stats, logs, tests)."""
+        return {"last_choice": self.last_choice, "acceptance": dict(sorted(self.acc.items())),
+                "draft_ms": {b: 1000 * s for b, s in sorted(self.draft_s.items())},
+                "overhead_ms": {f"{b}{'s' if sp else 'a'}": 1000 * s for (b, sp), s in sorted(self.overhead_s.items())}}
+
+
+def _ema(old: float | None, new: float, a: float) -> float:
+    return new if old is None else (1.0 - a) * old + a * new

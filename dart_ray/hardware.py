@@ -1,0 +1,228 @@
+"""What machine are we on, and which dtype is fast on it.
+
+Speculative decoding trades one dear target forward over many tokens for several cheap ones, so
+every speed decision depends on the machine: on an AMX Xeon a 61-row bf16 forward costs ~2x a
+1-row one, on an AVX2-only EPYC (oneDNN *emulates* bf16 there) a 61-row bf16 linear is ~7x the
+fp32 one. Nothing here assumes: dtype ``"auto"`` asks the capability and then measures.
+
+* :class:`Fingerprint` -- device name, CPU model and ISA flags, threads, torch version, dtype and
+  model: the key of every measured cost table (``dart_ray.engine.cost``) and of tuned profiles.
+* :func:`resolve_dtype` -- ``"auto"`` -> ``"bf16"`` where bf16 is supported *and* measured at
+  least as fast as fp32 (CUDA with bf16; CPUs with oneDNN bf16), else ``"fp32"``.
+
+The ISA can be restricted per process (``ONEDNN_MAX_CPU_ISA=AVX2``, ``ATEN_CPU_CAPABILITY=avx2``) to
+see the AVX2 behaviour on an AMX machine; both variables are part of the fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8",
+             "sve", "asimd", "bf16")
+"""CPU flags that change which kernels torch/oneDNN run (x86 and Arm); the rest is noise."""
+
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+"""Environment variables that restrict the ISA torch uses (recorded as ``VAR=value`` flags)."""
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model_and_flags() -> tuple[str, tuple[str, ...]]:
+    """(CPU model name, the :data:`ISA_FLAGS` it has) from ``/proc/cpuinfo`` (Linux) or platform."""
+    model, flags = "", set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        key = key.strip().lower()
+        if key == "model name" and not model:
+            model = val.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(val.split())
+    model = model or platform.processor() or platform.machine() or "unknown"
+    return model, tuple(f for f in ISA_FLAGS if f in flags)
+
+
+def device_name(device: str | torch.device) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return cpu_model_and_flags()[0]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything a measured speed depends on. Equal fingerprints may share cost tables and profiles."""
+
+    device: str
+    """Device name: the GPU's name, or the CPU model for ``cpu``."""
+    cpu: str
+    """CPU model (the host's, also on GPU machines: drafting and tree search run partly on it)."""
+    isa: tuple[str, ...]
+    """ISA flags that matter (:data:`ISA_FLAGS`) plus any ISA-restricting environment variable."""
+    threads: int
+    """torch intra-op threads."""
+    torch: str
+    """torch version."""
+    dtype: str
+    """Resolved dtype (``fp32``/``bf16``/``fp16``; never ``auto``)."""
+    model: str
+    """Target model id ('' when the fingerprint is about the machine alone)."""
+
+    @classmethod
+    def current(cls, device: str | torch.device = "cpu", dtype: str = "", model: str = "",
+                threads: int | None = None) -> Fingerprint:
+        cpu, flags = cpu_model_and_flags()
+        env = tuple(f"{k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k))
+        return cls(device=device_name(device), cpu=cpu, isa=flags + env,
+                   threads=int(threads or torch.get_num_threads()), torch=torch.__version__.split("+")[0],
+                   dtype=dtype, model=model)
+
+    def key(self) -> str:
+        """Short stable hash (file names of cached measurements)."""
+        return hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["isa"] = list(self.isa)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Fingerprint:
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(d)
+        if missing:
+            raise ValueError(f"fingerprint is missing {sorted(missing)}")
+        return cls(**{k: (tuple(d[k]) if k == "isa" else d[k]) for k in names})
+
+    def differences(self, other: Fingerprint) -> list[str]:
+        """Human-readable ``field: ours != theirs`` for every field that differs."""
+        out = []
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                out.append(f"{f.name}: {b!r} (recorded) != {a!r} (here)")
+        return out
+
+    def summary(self) -> str:
+        """One line for logs and stats lines: ``CPU model [isa] x threads, dtype``."""
+        isa = ",".join(f for f in self.isa if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") or "=" in f)
+        dev = "" if self.device == self.cpu else f"{self.device} / "
+        return f"{dev}{self.cpu} [{isa or 'no avx2'}] x{self.threads} threads, {self.dtype}"
+
+
+def hardware_cache_dir() -> Path:
+    """``$DART_RAY_CACHE/hardware``: measured dtype decisions and cost tables, keyed by fingerprint."""
+    from dart_ray.models.loading import cache_root
+
+    return cache_root() / "hardware"
+
+
+def read_cached(name: str) -> dict | None:
+    path = hardware_cache_dir() / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached(name: str, data: dict) -> None:
+    path = hardware_cache_dir() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache costs a re-measurement next time, nothing else
+        log.warning("could not cache %s: %s", path, e)
+
+
+# ---- dtype ---------------------------------------------------------------------------------------
+
+def bf16_supported(device: str | torch.device) -> bool:
+    """Does the device run bf16 natively (not emulated)?"""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if dev.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@dataclass(frozen=True)
+class DTypeChoice:
+    """The dtype ``auto`` resolved to, and why (shown in stats lines, bench JSON, /v1/models)."""
+
+    dtype: str
+    requested: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _time_linear(dtype: torch.dtype, device: torch.device, rows: int, reps: int = 5) -> float:
+    """Best-of-``reps`` seconds of ``x @ W.T`` with a transformer-MLP-sized weight."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 576, generator=g).to(device=device, dtype=dtype)
+    x = torch.randn(rows, 576, generator=g).to(device=device, dtype=dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(reps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(4):
+                torch.nn.functional.linear(x, w)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, (time.perf_counter() - t0) / 4)
+    return best
+
+
+def measure_bf16_vs_fp32(device: str | torch.device) -> dict[str, float]:
+    """Seconds of one linear at 1 row (a decode step) and 64 rows (a draft tree), bf16 and fp32."""
+    dev = torch.device(device)
+    return {f"{name}_{rows}": _time_linear(dt, dev, rows)
+            for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)) for rows in (1, 64)}
+
+
+def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DTypeChoice:
+    """``auto`` -> bf16 where it is supported and measured at least as fast as fp32, else fp32.
+
+    Capability first (no bf16 hardware -> fp32, no measurement); then a ~0.1 s timing of one linear
+    at 1 and 64 rows, cached per fingerprint under ``$DART_RAY_CACHE/hardware``. A concrete dtype
+    passes through unchanged.
+    """
+    if requested != "auto":
+        return DTypeChoice(requested, requested, "requested")
+    if not bf16_supported(device):
+        return DTypeChoice("fp32", "auto", "no native bf16 on this device (oneDNN/CUDA report none)")
+    fp = Fingerprint.current(device)
+    name = f"dtype-{fp.key()}.json"
+    t = read_cached(name)
+    if not t or not all(k in t for k in ("bf16_1", "bf16_64", "fp32_1", "fp32_64")):
+        t = measure_bf16_vs_fp32(device)
+        write_cached(name, {**t, "fingerprint": fp.to_dict()})
+    ratio = max(t["bf16_1"] / t["fp32_1"], t["bf16_64"] / t["fp32_64"])
+    if ratio <= 1.1:
+        return DTypeChoice("bf16", "auto", f"bf16 supported and measured {1 / ratio:.2f}x fp32 or better")
+    return DTypeChoice("fp32", "auto", f"bf16 supported but measured {ratio:.2f}x slower than fp32")
