@@ -14,7 +14,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals artifacts gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts gpu-check clean
 
 setup: $(STAMP)
 
@@ -88,6 +88,14 @@ bench-goals: setup
 	  $(GOALS) --out $(RUNS)/goals-humaneval-bs4.json
 	$(FAST_ENV) $(BIN)/dart-ray bench --prompts humaneval --limit 32 --batch-size 16 --methods ar,ngram,dart \
 	  $(GOALS) --out $(RUNS)/goals-humaneval-bs16.json
+
+# issue 14: defaults only (dtype auto, adaptive on, no profile), bs 1 / 4 / 16, HumanEval and chat.
+bench-defaults: setup
+	for bs in 1 4 16; do n=$$((bs == 1 ? 12 : bs == 4 ? 16 : 32)); \
+	  $(FAST_ENV) $(BIN)/dart-ray bench --prompts humaneval --limit $$n --batch-size $$bs --methods ar,dart,ngram \
+	    --out $(RUNS)/defaults-humaneval-bs$$bs.json || exit 1; \
+	  $(FAST_ENV) $(BIN)/dart-ray bench --prompts chat --chat --limit $$n --batch-size $$bs --methods ar,dart,ngram \
+	    --out $(RUNS)/defaults-chat-bs$$bs.json || exit 1; done
 
 gpu-check: setup
 	bash scripts/gpu_check.sh

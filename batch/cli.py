@@ -49,7 +49,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="auto = dart if a trained drafter is shipped for the model, else ngram")
     e.add_argument("--drafter", default=None, help="DART drafter dir ('random' = untrained)")
     e.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables)")
-    e.add_argument("--dtype", choices=DTYPES, default="bf16")
+    e.add_argument("--dtype", choices=DTYPES, default="auto")
     e.add_argument("--device", default="cpu")
     e.add_argument("--threads", type=int, default=None,
                    help="torch threads per actor (default: floor of --num-cpus-per-actor)")

@@ -49,6 +49,7 @@ from dart_ray import (
     SamplingParams,
     load_profile,
 )
+from dart_ray.profiles import check_profile_hardware
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,8 @@ class DartGenerator:
 
     def _build_engine(self) -> Engine:
         engine = Engine.from_config(self.engine_config)
+        if isinstance(self.profile, DecodingSchedule):
+            check_profile_hardware(self.profile, engine.fingerprint)   # warns once on other hardware
         if self.profile is not None:
             engine.set_decoding(self.profile)
         return engine

@@ -23,6 +23,15 @@ Exactly once, across kills and reruns:
    from its ids, so a retried batch replaces its own part.
 4. At the end the committed ids are checked against the input: every id exactly once, or the job
    reports what is missing/duplicated and fails.
+
+Losing a worker or a whole node mid-run (multi-node clusters): Ray Data restarts the pool's actor
+(``max_restarts=-1``) wherever a CPU is free and runs its unfinished batches again
+(``max_task_retries=-1``); blocks lost with the node are recomputed from their lineage. A batch run
+twice commits the same part name (same ids), so the output still holds every id once. The summary
+counts these rows as ``retried_rows`` (from per-attempt records, see :mod:`batch.store`), together
+with rows an earlier, interrupted run had started but not committed. The output directory must be
+one filesystem every node sees (NFS, a mounted bucket with atomic rename) for this to hold across
+nodes; on one machine any local path does.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from batch.generator import OUTPUT_SCHEMA, BatchStats, DartGenerator
-from batch.store import OutputStore, id_report
+from batch.store import OutputStore, id_report, retry_report
 from dart_ray import EngineConfig, SamplingParams, load_profile
 
 log = logging.getLogger(__name__)
@@ -126,6 +135,11 @@ class JobSummary:
     """Seconds the engines spent generating, summed over actors."""
     output: dict = field(default_factory=dict)
     """id_report of the output directory after the run."""
+    retried_rows: int = 0
+    """Rows generated more than once by this run (a worker or node was lost mid-batch and Ray ran
+    the batch again) plus rows an earlier, interrupted run had started but not committed."""
+    retries: dict = field(default_factory=dict)
+    """retried_rows split: ``in_run`` and ``from_interrupted_run`` (see :func:`batch.store.retry_report`)."""
 
     @property
     def rows_per_s(self) -> float:
@@ -165,6 +179,9 @@ class JobSummary:
              f"{self.mean_accepted_len:.2f}"),
             (f"  first batch after {self.first_result_s:.1f} s; engines busy {self.engine_s:.1f} s "
              f"in all"),
+            (f"  retried: {self.retried_rows} rows ({self.retries.get('in_run', 0)} after a lost "
+             f"worker/node, {self.retries.get('from_interrupted_run', 0)} left unfinished by an "
+             f"interrupted run)"),
         ]
         if self.ok:
             lines.append(f"  output: {o['expected']} ids, each exactly once")
@@ -248,10 +265,11 @@ class _PartWriter:
     def __call__(self, table: pa.Table) -> pa.Table:
         st = BatchStats()
         if table.num_rows:
+            ids = table.column(self.id_column).cast(self.schema.field(0).type)
+            self.store.record_attempt(ids, self.id_column)    # counts retries; decides nothing
             out, st = self.generator.process(table)
             prompts = [p if p is None or isinstance(p, str) else str(p)
                        for p in table.column(self.prompt_column).to_pylist()]
-            ids = table.column(self.id_column).cast(self.schema.field(0).type)
             part = pa.Table.from_arrays([ids, pa.array(prompts, pa.string()), *out.columns],
                                         schema=self.schema)
             self.store.write_part(part, self.id_column)
@@ -312,6 +330,8 @@ def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSumma
         if stale:
             log.info("deleted %d half-written part(s) of an earlier run", stale)
         committed = store.committed_ids(cfg.id_column)
+        unfinished = _unfinished_attempts(store, cfg.id_column, committed)
+        store.clear_attempts()
         before = id_report(inp.ids, committed)
         summary = JobSummary(input_rows=len(inp.ids),
                              already_done=before["expected"] - before["missing"])
@@ -321,8 +341,23 @@ def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSumma
                 done = pc.unique(committed.combine_chunks().cast(inp.ids.type))
             _run_pipeline(cfg, store, inp, done, before["missing"], profile, summary, ray_init)
         summary.output = id_report(inp.ids, store.committed_ids(cfg.id_column))
+        summary.retries = retry_report(store.attempted_ids(cfg.id_column), unfinished)
+        summary.retried_rows = summary.retries["rows"]
         (store.meta / "last_run.json").write_text(json.dumps(summary.to_dict(), indent=2))
         return summary
+
+
+def _unfinished_attempts(store: OutputStore, id_column: str,
+                         committed: pa.ChunkedArray | None) -> pa.Array | None:
+    """Ids an earlier run started (recorded an attempt for) but did not commit."""
+    attempted = store.attempted_ids(id_column)
+    if attempted is None:
+        return None
+    started = pc.unique(attempted.combine_chunks())
+    if committed is None or not len(committed):
+        return started
+    done = committed.combine_chunks().cast(started.type)
+    return pc.filter(started, pc.invert(pc.is_in(started, value_set=done)))
 
 
 def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa.Array | None,

@@ -5,6 +5,7 @@ Layout of ``DIR``::
     DIR/part-<digest>.parquet     committed parts: complete rows only, every id at most once overall
     DIR/_dart_ray/job.json        what produced the parts (a rerun with other settings is refused)
     DIR/_dart_ray/tmp/*.tmp       parts being written (a crash leaves them; the next run deletes them)
+    DIR/_dart_ray/attempts/*      one small file per batch attempt (its ids): counts retried rows
     DIR/_dart_ray/driver.lock     held (flock, exclusive) by the one driver writing to DIR
     DIR/_dart_ray/workers.lock    held (flock, shared) by every worker that may commit parts
 
@@ -20,6 +21,12 @@ Exactly once rests on three facts:
   run could still commit after that read, so the new driver first takes ``workers.lock``
   exclusively, which succeeds only once every worker of earlier runs (each holds it shared) has
   exited. ``driver.lock`` keeps two live jobs off one directory.
+
+Retried rows are counted from attempt records: a worker records a batch's ids before generating
+it, so ids recorded more than once in one run were retried (a worker or its node was lost and Ray
+ran the batch again), and ids recorded by an earlier run but never committed were left unfinished
+by that run and are generated again by this one. The records only count; they never decide what
+is written.
 
 Nothing here imports Ray; the job (``batch.job``) and the workers use these functions.
 """
@@ -59,12 +66,14 @@ class OutputStore:
         self.root = Path(root)
         self.meta = self.root / META_DIR
         self.tmp = self.meta / "tmp"
+        self.attempts = self.meta / "attempts"
         self.manifest_path = self.meta / "job.json"
         self.driver_lock_path = self.meta / "driver.lock"
         self.workers_lock_path = self.meta / "workers.lock"
 
     def create(self) -> None:
         self.tmp.mkdir(parents=True, exist_ok=True)
+        self.attempts.mkdir(parents=True, exist_ok=True)
 
     # ---- parts ---------------------------------------------------------------------------------
     def part_paths(self) -> list[Path]:
@@ -102,9 +111,7 @@ class OutputStore:
         The name depends only on the set of ids, so writing the same rows again replaces the
         earlier part rather than duplicating it.
         """
-        ids = sorted(str(v) for v in table.column(id_column).to_pylist())
-        digest = hashlib.sha256("\x00".join(ids).encode()).hexdigest()[:24]
-        final = self.root / f"part-{digest}.parquet"
+        final = self.root / f"part-{_digest(table.column(id_column))}.parquet"
         tmp = self.tmp / f"{final.name}.{uuid.uuid4().hex}.tmp"
         pq.write_table(table, tmp)
         with open(tmp, "rb") as f:
@@ -112,6 +119,37 @@ class OutputStore:
         os.replace(tmp, final)
         _fsync_dir(self.root)
         return final
+
+    # ---- attempts (retry accounting) -------------------------------------------------------
+    def record_attempt(self, ids: pa.Array | pa.ChunkedArray, id_column: str) -> Path:
+        """Record that a worker starts generating the batch holding ``ids`` (before it does)."""
+        self.attempts.mkdir(parents=True, exist_ok=True)
+        name = f"{_digest(ids)}.{uuid.uuid4().hex}.parquet"
+        tmp = self.tmp / f"{name}.tmp"
+        pq.write_table(pa.table({id_column: ids}), tmp)
+        path = self.attempts / name
+        os.replace(tmp, path)
+        return path
+
+    def attempted_ids(self, id_column: str) -> pa.ChunkedArray | None:
+        """Every id of every recorded attempt (repeats kept), or None when there is none."""
+        chunks = []
+        for p in sorted(self.attempts.glob("*.parquet")):   # renamed into place: always whole
+            chunks.extend(pq.read_table(p, columns=[id_column]).column(0).chunks)
+        if not chunks:
+            return None
+        types = {c.type for c in chunks}
+        if len(types) > 1:
+            chunks = [c.cast(chunks[0].type) for c in chunks]
+        return pa.chunked_array(chunks, type=chunks[0].type)
+
+    def clear_attempts(self) -> int:
+        """Forget the attempt records (call only while holding the locks)."""
+        n = 0
+        for p in self.attempts.glob("*.parquet"):
+            p.unlink(missing_ok=True)
+            n += 1
+        return n
 
     def clear_tmp(self) -> int:
         """Delete parts left half-written by a killed run (call only while holding the locks)."""
@@ -196,6 +234,31 @@ def id_report(expected: pa.Array | pa.ChunkedArray, committed: pa.ChunkedArray |
     unexpected = len(uniq) - int(pc.sum(pc.is_in(uniq, value_set=expected)).as_py() or 0)
     return {"expected": len(expected), "committed": len(committed), "missing": missing,
             "duplicated": dup, "unexpected": unexpected}
+
+
+def retry_report(attempted: pa.ChunkedArray | None, earlier: pa.Array | None = None) -> dict:
+    """Retried rows of one run from its attempt records.
+
+    ``attempted``: ids recorded by this run's batch attempts (repeats kept). ``earlier``: ids an
+    earlier, interrupted run had started but not committed (unique). Returns ``in_run`` (attempts
+    beyond the first of an id: batches Ray ran again after losing a worker or node),
+    ``from_interrupted_run`` (ids of ``earlier`` generated again now) and their sum ``rows``.
+    """
+    in_run = 0
+    again = 0
+    if attempted is not None and len(attempted):
+        a = _combine(attempted)
+        uniq = pc.unique(a)
+        in_run = len(a) - len(uniq)
+        if earlier is not None and len(earlier):
+            again = int(pc.sum(pc.is_in(_combine(earlier).cast(a.type), value_set=uniq)).as_py() or 0)
+    return {"rows": in_run + again, "in_run": in_run, "from_interrupted_run": again}
+
+
+def _digest(ids: pa.Array | pa.ChunkedArray) -> str:
+    """Name of a batch: a digest of its sorted ids (the same rows always get the same name)."""
+    keys = sorted(str(v) for v in ids.to_pylist())
+    return hashlib.sha256("\x00".join(keys).encode()).hexdigest()[:24]
 
 
 def _combine(a: pa.Array | pa.ChunkedArray) -> pa.Array:

@@ -12,7 +12,15 @@ beyond what the names below need.
 """
 
 from dart_ray.config import METHODS, DecodingConfig, EngineConfig, SamplingParams
-from dart_ray.engine import Completion, Engine, EngineStats, PromptTooLongError, RequestOutput, RequestStats
+from dart_ray.engine import (
+    Completion,
+    Engine,
+    EngineStats,
+    PromptTooLongError,
+    RequestOutput,
+    RequestStats,
+    encode_prompt,
+)
 from dart_ray.profiles import DecodingSchedule, load_profile, save_profile
 
 __version__ = "0.1.0"
@@ -20,5 +28,5 @@ __version__ = "0.1.0"
 __all__ = [
     "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats", "Completion",
     "RequestOutput", "RequestStats", "PromptTooLongError", "DecodingSchedule", "load_profile",
-    "save_profile", "__version__",
+    "save_profile", "encode_prompt", "__version__",
 ]

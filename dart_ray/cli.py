@@ -54,10 +54,11 @@ def engine_config_from_args(a: argparse.Namespace, max_batch_size: int = 8):
 
 
 def _apply_profile(engine, profile: str | None) -> None:
+    """Apply ``--profile`` (warns once if it was tuned on other hardware than ``engine``'s)."""
     if profile:
-        from dart_ray.profiles import load_profile
+        from dart_ray.profiles import apply_profile
 
-        engine.set_decoding(load_profile(profile))
+        apply_profile(engine, profile)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -77,14 +77,17 @@ class DecodingConfig:
     eps: float = 1e-6
     """Floor added to probabilities before the log."""
 
-    lookup_paths: int = 0
+    lookup_paths: int = 2
     """DART only: prompt-lookup continuations merged into the tree (0 = off, the tree is DART's alone).
+    They lead the tree's priority order (copied text is accepted in long runs where it matches).
+    Default 2: measured on an AVX2 EPYC (fp32, adaptive), HumanEval bs 1 went 0.97x -> 1.6x AR and
+    the chat set 0.97x -> 1.04x (docs/BENCHMARKS.md).
     The longest suffix (``lookup_min_match``..3 tokens) of the committed text + root that occurred
     earlier in the same sequence proposes what followed it, up to ``lookup_len`` tokens per path, most
     recent occurrence first; shared prefixes reuse DART's nodes. Adds at most
     ``lookup_paths * lookup_len`` nodes on top of ``tree_budget``."""
 
-    lookup_len: int = 8
+    lookup_len: int = 10
     """Tokens per lookup path. Independent of the drafter's depth on purpose:
     copied text is accepted in long runs, while drafter levels past a few are mostly wrong."""
 
@@ -202,7 +205,8 @@ class EngineConfig:
 
     pack_weights: bool | None = None
     """Prepack the target's linear weights for oneDNN (``dart_ray.models.packing``). None = auto:
-    on where it is measured to help (CPU, bf16, oneDNN bf16 support). Packing is applied to the
+    on where it helps on this machine (CPU bf16 with oneDNN bf16 support; CPU fp32 where a short
+    measurement shows packed linears faster, e.g. AVX2-only CPUs). Packing is applied to the
     loaded target in place and is idempotent; packed linears are inference-only."""
 
     adaptive: bool = True

@@ -7,19 +7,30 @@ A profile (written by ``dart-ray tune``, loaded by the engine, server and batch 
       - {max_batch_size: 1,  decoding: {chunk_len: 8, top_k: 25, beam_width: 20, tree_budget: 60, ...}}
       - {max_batch_size: 4,  decoding: {...}}
       - {max_batch_size: 1024, decoding: {...}}
-    meta: {...}            # free-form: how it was tuned, measured gains
+    meta: {...}            # how it was tuned, measured gains; meta.fingerprint = the machine
 
 The engine asks ``schedule.for_batch_size(B)`` every step: the first entry whose
 ``max_batch_size >= B`` wins (entries sorted ascending; the last one covers larger batches).
 Profiles are referenced by path or by name (``$DART_RAY_PROFILES`` dir, then the shipped
 ``dart_ray/artifacts/profiles``).
+
+**Hardware.** A profile is a measurement of one machine: ``dart-ray tune`` records the measuring
+engine's :class:`~dart_ray.hardware.Fingerprint` in ``meta.fingerprint`` (and a readable
+``meta.cpu``). :func:`apply_profile` (CLI, server, batch) compares it with the engine it is applied
+to via :func:`check_profile_hardware`, which warns once per (profile, machine) pair naming the fields
+that differ (or saying that the profile records no hardware). The knobs still apply: they are the
+adaptive controller's starting point and cap; ``dart-ray tune --for-this-machine`` re-tunes them here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dart_ray.config import DecodingConfig
 
@@ -33,6 +44,9 @@ class DecodingSchedule:
     entries: tuple[tuple[int, DecodingConfig], ...]
     """(max_batch_size, config) sorted by max_batch_size."""
     meta: dict = field(default_factory=dict)
+    """How it was made (free-form); ``meta.fingerprint`` = the tuning machine (``Fingerprint.to_dict()``)."""
+    source: str = field(default="", compare=False)
+    """Where it was loaded from ('' when built in memory); not part of equality or of the YAML."""
 
     def __post_init__(self) -> None:
         if not self.entries:
@@ -48,7 +62,7 @@ class DecodingSchedule:
         return self.entries[-1][1]
 
     @classmethod
-    def constant(cls, cfg: DecodingConfig, workload: str = "default") -> "DecodingSchedule":
+    def constant(cls, cfg: DecodingConfig, workload: str = "default") -> DecodingSchedule:
         return cls(workload, ((1 << 30, cfg),))
 
     def to_dict(self) -> dict:
@@ -57,7 +71,7 @@ class DecodingSchedule:
                 "meta": dict(self.meta)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DecodingSchedule":
+    def from_dict(cls, d: dict) -> DecodingSchedule:
         try:
             entries = tuple(sorted((int(e["max_batch_size"]), DecodingConfig.from_dict(e["decoding"]))
                                    for e in d["schedule"]))
@@ -102,4 +116,81 @@ def load_profile(ref: str | Path) -> DecodingSchedule:
         raise ValueError(f"{path}: invalid YAML: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a profile must be a mapping")
-    return DecodingSchedule.from_dict(data)
+    sched = DecodingSchedule.from_dict(data)
+    return dataclasses.replace(sched, source=str(path.resolve()))
+
+
+# ---- hardware ----------------------------------------------------------------------------------
+
+class ProfileHardwareWarning(UserWarning):
+    """A profile applied on a machine other than the one it was tuned on (or on unknown hardware)."""
+
+
+NO_FINGERPRINT = "no hardware recorded (profile predates meta.fingerprint; re-tune with --for-this-machine)"
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def profile_fingerprint(schedule: DecodingSchedule):
+    """The :class:`~dart_ray.hardware.Fingerprint` a profile was tuned on, or None if it records none.
+
+    Raises TypeError / ValueError when ``meta.fingerprint`` is present but malformed."""
+    from dart_ray.hardware import Fingerprint
+
+    raw = schedule.meta.get("fingerprint")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise TypeError(f"profile {schedule.workload!r}: meta.fingerprint must be a mapping, got {type(raw).__name__}")
+    return Fingerprint.from_dict(raw)
+
+
+def hardware_differences(schedule: DecodingSchedule, fingerprint: Any) -> list[str]:
+    """``field: recorded != here`` per differing fingerprint field; ``[NO_FINGERPRINT]`` when the
+    profile records no hardware; ``[]`` when it was tuned on this very setup.
+
+    ``fingerprint``: a ``Fingerprint`` or its ``to_dict()`` (usually ``engine.fingerprint``)."""
+    from dart_ray.hardware import Fingerprint
+
+    here = Fingerprint.from_dict(fingerprint) if isinstance(fingerprint, dict) else fingerprint
+    try:
+        recorded = profile_fingerprint(schedule)
+    except (TypeError, ValueError) as e:
+        return [f"unreadable meta.fingerprint ({e})"]
+    if recorded is None:
+        return [NO_FINGERPRINT]
+    return here.differences(recorded)
+
+
+def check_profile_hardware(schedule: DecodingSchedule, fingerprint: Any) -> list[str]:
+    """Warn (:class:`ProfileHardwareWarning`, once per profile and machine per process) when
+    ``schedule`` was tuned on other hardware than ``fingerprint`` describes; return the differences.
+
+    The profile is not rejected: its knobs are still a sound starting point and cap for the adaptive
+    controller, just not a measured optimum here."""
+    diffs = hardware_differences(schedule, fingerprint)
+    if not diffs:
+        return diffs
+    here = fingerprint if isinstance(fingerprint, dict) else fingerprint.to_dict()
+    name = schedule.source or f"<{schedule.workload}>"
+    key = (name, repr(sorted((k, str(v)) for k, v in here.items())) + repr(schedule.meta.get("fingerprint")))
+    with _warned_lock:
+        if key in _warned:
+            return diffs
+        _warned.add(key)
+    warnings.warn(f"decoding profile {name} (workload {schedule.workload!r}) was tuned on other hardware: "
+                  + "; ".join(diffs) + ". Its knobs still apply; run `dart-ray tune --for-this-machine` "
+                  "to re-tune them here.", ProfileHardwareWarning, stacklevel=2)
+    return diffs
+
+
+def apply_profile(engine, profile: str | Path | DecodingSchedule) -> DecodingSchedule:
+    """Load ``profile`` (name, path or schedule), check it against ``engine.fingerprint`` (warn once
+    on a mismatch) and ``engine.set_decoding`` it. Returns the schedule."""
+    sched = profile if isinstance(profile, DecodingSchedule) else load_profile(profile)
+    fp = getattr(engine, "fingerprint", None)
+    if fp is not None:
+        check_profile_hardware(sched, fp)
+    engine.set_decoding(sched)
+    return sched

@@ -1,12 +1,35 @@
-"""Placement of a tensor-parallel replica (pure functions, no Ray import).
+"""Where replicas and their tensor-parallel ranks run (pure functions, no Ray import).
 
-One replica = rank 0 (runs in the replica actor itself, next to the HTTP ingress) plus
-``tensor_parallel_size - 1`` worker actors. Serve reserves one placement group per replica:
-bundle 0 holds the replica actor (= rank 0), bundles 1.. hold the other ranks. ``PACK`` keeps the
-ranks on as few nodes as possible (all-reduce per layer wants them close).
+Two levels, two strategies:
+
+* **Replicas across nodes: SPREAD.** Serve schedules replica actors with its SPREAD policy by
+  default (a soft preference). ``max_replicas_per_node`` makes it a hard cap: with 1, two replicas
+  never share a node, so losing a node loses at most one replica. Serve refuses the cap together
+  with placement-group bundles, so it applies to ``tensor_parallel_size == 1`` only; a TP replica
+  needs N GPUs on one node, which spreads TP replicas by itself on GPU nodes.
+* **One replica's TP ranks: STRICT_PACK.** One replica = rank 0 (runs in the replica actor itself,
+  next to the HTTP ingress) plus ``tensor_parallel_size - 1`` worker actors. Serve reserves one
+  placement group per replica: bundle 0 holds the replica actor (= rank 0), bundles 1.. hold the
+  other ranks. ``STRICT_PACK`` puts every bundle on one node or none: the per-layer all-reduce
+  stays on the node, and a node loss takes the whole group (never half of it) -- Serve then
+  re-creates the replica, whole, wherever N bundles fit again. ``PACK`` (best effort) may split
+  the group over nodes when no node has room; use it only if you accept that.
+
+:func:`deployment_placement` turns serve args (a mapping or a ``ServeArgs``) into those Serve
+options; the args it reads are ``tensor_parallel_size``, ``device``, ``num_cpus`` and, when
+present, ``max_replicas_per_node`` (None = no cap) and ``placement_strategy`` (default
+``STRICT_PACK``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+"""Ray placement-group strategies accepted for one replica's TP bundles."""
+
+DEFAULT_TP_STRATEGY = "STRICT_PACK"
 
 
 def _is_gpu(device: str) -> bool:
@@ -25,9 +48,11 @@ def placement_options(tensor_parallel_size: int, device: str, num_cpus_per_worke
                       strategy: str = "PACK") -> dict:
     """Serve deployment options reserving ``tensor_parallel_size`` ranks for each replica.
 
-    Returns ``{"placement_group_bundles": [...], "placement_group_strategy": "PACK"}``. The first
-    bundle is where Serve schedules the replica actor, so the replica's ``ray_actor_options``
-    (see :func:`replica_actor_options`) must fit in it; rank 0 runs inside the replica.
+    Returns ``{"placement_group_bundles": [...], "placement_group_strategy": strategy}``. The
+    default here stays ``PACK`` (the historical value); :func:`deployment_placement` passes
+    ``STRICT_PACK`` unless the args say otherwise (see the module docstring). The first bundle is where Serve
+    schedules the replica actor, so the replica's ``ray_actor_options`` (see
+    :func:`replica_actor_options`) must fit in it; rank 0 runs inside the replica.
     """
     if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
             or tensor_parallel_size < 1:
@@ -37,8 +62,8 @@ def placement_options(tensor_parallel_size: int, device: str, num_cpus_per_worke
     if not isinstance(num_cpus_per_worker, (int, float)) or isinstance(num_cpus_per_worker, bool) \
             or num_cpus_per_worker < 0:
         raise ValueError(f"num_cpus_per_worker must be a number >= 0, got {num_cpus_per_worker!r}")
-    if strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
-        raise ValueError(f"unknown placement strategy {strategy!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown placement strategy {strategy!r}; one of {list(STRATEGIES)}")
     bundles = [worker_bundle(device, num_cpus_per_worker) for _ in range(tensor_parallel_size)]
     return {"placement_group_bundles": bundles, "placement_group_strategy": strategy}
 
@@ -48,4 +73,46 @@ def replica_actor_options(device: str, num_cpus: float) -> dict:
     opts: dict = {"num_cpus": float(num_cpus)}
     if _is_gpu(device):
         opts["num_gpus"] = 1.0
+    return opts
+
+
+def spread_options(max_replicas_per_node: int | None) -> dict:
+    """Serve options capping replicas per node (``{}`` = no cap: Serve's soft SPREAD only)."""
+    if max_replicas_per_node is None:
+        return {}
+    if not isinstance(max_replicas_per_node, int) or isinstance(max_replicas_per_node, bool) \
+            or max_replicas_per_node < 1:
+        raise ValueError(f"max_replicas_per_node must be an integer >= 1 or null, got {max_replicas_per_node!r}")
+    return {"max_replicas_per_node": max_replicas_per_node}
+
+
+def _get(args: Any, name: str, default: Any) -> Any:
+    if isinstance(args, Mapping):
+        return args.get(name, default)
+    return getattr(args, name, default)
+
+
+def deployment_placement(args: Any) -> dict:
+    """Serve options placing the replicas of ``args`` (a mapping or a ``ServeArgs``).
+
+    ``ray_actor_options`` of the replica, plus either the TP placement group (``tensor_parallel_size
+    > 1``: one bundle per rank, ``placement_strategy``, default STRICT_PACK) or the per-node cap
+    (``max_replicas_per_node``, TP = 1 only: Serve does not combine it with bundles).
+    """
+    tp = _get(args, "tensor_parallel_size", 1)
+    device = _get(args, "device", "cpu")
+    num_cpus = _get(args, "num_cpus", 1.0)
+    cap = _get(args, "max_replicas_per_node", None)
+    strategy = _get(args, "placement_strategy", None) or DEFAULT_TP_STRATEGY
+    opts: dict = {"ray_actor_options": replica_actor_options(device, num_cpus)}
+    if tp > 1:
+        if cap is not None:
+            raise ValueError("max_replicas_per_node cannot be combined with tensor_parallel_size > 1 "
+                             "(Serve refuses it with placement-group bundles); a TP replica's "
+                             "STRICT_PACK group already needs a node with room for all its ranks")
+        opts.update(placement_options(tp, device, num_cpus, strategy))
+    else:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown placement strategy {strategy!r}; one of {list(STRATEGIES)}")
+        opts.update(spread_options(cap))
     return opts

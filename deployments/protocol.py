@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dart_ray import METHODS
+
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -31,9 +32,11 @@ class APIError(Exception):
     """An error that maps to an HTTP status and an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = dict(headers or {})
+        """Extra HTTP response headers (e.g. ``Retry-After`` on a 503)."""
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -46,6 +49,11 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"request body is larger than {limit} bytes (max_body_bytes)", "invalid_request_error",
+                    None, "request_too_large")
 
 
 @dataclass
@@ -283,6 +291,17 @@ def parse_chat(body: dict) -> GenerationRequest:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key, None, 1)
     return _common(body, "chat", out, True, max_tokens)
+
+
+def prompt_size(req: GenerationRequest) -> tuple[int, int | None]:
+    """(characters of the prompt text, token count if the prompt is token ids else None); chat
+    messages count their contents. Cheap: runs before any tokenisation."""
+    p = req.prompt
+    if isinstance(p, str):
+        return len(p), None
+    if p and isinstance(p[0], dict):
+        return sum(len(m.get("content") or "") for m in p), None
+    return 0, len(p)
 
 
 # ---- responses ------------------------------------------------------------------------------------

@@ -1,8 +1,25 @@
-"""Run the Serve application on a local Ray instance (what ``dart-ray serve`` does)."""
+"""Run the Serve application on a local Ray instance (what ``dart-ray serve`` does).
+
+A Ray started here is closed to the network and keeps Ray's token authentication:
+
+* every Ray process (GCS, raylet, object manager, workers, agents) binds the loopback address
+  (``node_ip_address="127.0.0.1"``); another machine cannot reach them (pass a routable
+  ``node_ip_address`` to let other nodes join this head on purpose);
+* ``RAY_AUTH_MODE`` is left to the user: unset, Ray enables token auth for a new local cluster and
+  keeps the token in ``~/.ray/auth_token``; ``ray_auth=False`` (``--insecure-no-ray-auth``) or
+  ``RAY_AUTH_MODE=disabled`` turns it off;
+* workers start at nice 0 (Ray's default is 15): the engine is not deprioritised on a host
+  dedicated to it.
+
+Joining an existing cluster (``address=...``) changes none of that cluster's settings.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import ipaddress
+import logging
 import os
 import signal
 import threading
@@ -10,6 +27,73 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_default.yaml"
+LOOPBACK = "127.0.0.1"
+WORKER_NICENESS = 0
+"""Nice value of the workers of a Ray started here (Ray's own default is 15)."""
+
+logger = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def _keep_loopback_node_ip(node_ip_address: str):
+    """Ray's ``ray.init`` replaces a loopback ``_node_ip_address`` by the host's routable address
+    (``services.resolve_ip_for_localhost``), and its gRPC servers bind the node address; keep the
+    loopback address for this call so every Ray process binds it."""
+    from ray._private import services
+
+    original = getattr(services, "resolve_ip_for_localhost", None)
+    if original is None or not is_loopback(node_ip_address):
+        yield
+        return
+    services.resolve_ip_for_localhost = lambda host: host if is_loopback(host) else original(host)
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = original
+
+
+def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None,
+                    node_ip_address: str = LOOPBACK, ray_auth: bool | None = None,
+                    worker_niceness: int | None = WORKER_NICENESS, **init_kw: Any):
+    """``ray.init`` of a new local cluster, closed to the network (see the module docstring).
+
+    ``ray_auth``: None = Ray's default (token auth unless ``RAY_AUTH_MODE`` says otherwise), False
+    = disable it (``RAY_AUTH_MODE=disabled`` for this process and its children), True = require it.
+    Raises RuntimeError (after shutting that Ray down) if Ray did not take the loopback address.
+    """
+    import ray
+
+    if ray_auth is not None:
+        os.environ["RAY_AUTH_MODE"] = "token" if ray_auth else "disabled"
+    kw: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": node_ip_address, **init_kw}
+    if num_cpus is not None:
+        kw["num_cpus"] = num_cpus
+    if temp_dir:
+        Path(temp_dir).mkdir(parents=True, exist_ok=True)
+        kw["_temp_dir"] = str(Path(temp_dir).resolve())
+    if worker_niceness is not None:
+        kw["_system_config"] = {"worker_niceness": worker_niceness, **kw.get("_system_config", {})}
+    with _keep_loopback_node_ip(node_ip_address):
+        ctx = ray.init(**kw)
+    got = ray.util.get_node_ip_address()
+    if is_loopback(node_ip_address) and not is_loopback(got):
+        ray.shutdown()
+        raise RuntimeError(f"Ray took node address {got}, not {node_ip_address}: its ports would be open to "
+                           "the network. Pass a routable node_ip_address (--ray-node-ip) to accept that.")
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        logger.warning("Ray token authentication is disabled (RAY_AUTH_MODE=disabled): any local user can "
+                       "run code on this Ray instance%s", "" if is_loopback(got) else
+                       f", and anyone who reaches {got}")
+    return ctx
 
 
 def load_serve_config(path: str | os.PathLike | None = None) -> dict:
@@ -56,15 +140,17 @@ def build_application(import_path: str, args: dict | None):
 
 def run_local(config_path: str | os.PathLike | None = None, host: str | None = "127.0.0.1", port: int | None = 8000,
               temp_dir: str | None = None, blocking: bool = True, overrides: dict[str, Any] | None = None,
-              num_cpus: int | None = None) -> dict:
-    """Start a local Ray, Serve on ``host:port`` and the config's applications.
+              num_cpus: int | None = None, address: str | None = None, ray_auth: bool | None = None,
+              node_ip_address: str = LOOPBACK) -> dict:
+    """Start a local Ray (or join ``address``), Serve on ``host:port`` and the config's applications.
 
-    ``overrides`` update every application's ``args``. With ``blocking=True`` this waits until
-    Ctrl-C / SIGTERM, then shuts Serve and Ray down (Ray only if it started it here). With
-    ``blocking=False`` it returns ``{"url", "applications", "started_ray"}``; call
-    :func:`shutdown_local` when done.
+    ``overrides`` update every application's ``args``. A Ray started here binds ``node_ip_address``
+    (loopback by default), keeps token auth unless ``ray_auth=False`` and runs workers at nice 0
+    (:func:`start_local_ray`); ``address`` joins an existing cluster and leaves its settings alone.
+    With ``blocking=True`` this waits until Ctrl-C / SIGTERM, then shuts Serve and Ray down (Ray
+    only if it started it here). With ``blocking=False`` it returns ``{"url", "applications",
+    "started_ray"}``; call :func:`shutdown_local` when done.
     """
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")          # Ray 2.60 enables token auth by default
     cfg = load_serve_config(config_path)
     http = dict(cfg.get("http_options") or {})
     host = host or http.get("host") or "127.0.0.1"
@@ -82,14 +168,11 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
             and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)   # started with SIGINT ignored (`cmd &`)
     started_ray = False
-    if not ray.is_initialized():
-        init_kw: dict[str, Any] = {"include_dashboard": False}
-        if num_cpus is not None:
-            init_kw["num_cpus"] = num_cpus
-        if temp_dir:
-            Path(temp_dir).mkdir(parents=True, exist_ok=True)
-            init_kw["_temp_dir"] = str(Path(temp_dir).resolve())
-        ray.init(**init_kw)
+    if address is not None:
+        if not ray.is_initialized():
+            ray.init(address=address)                      # that cluster's own settings, untouched
+    elif not ray.is_initialized():
+        start_local_ray(num_cpus=num_cpus, temp_dir=temp_dir, node_ip_address=node_ip_address, ray_auth=ray_auth)
         started_ray = True
     try:
         serve.start(http_options={"host": host, "port": port})

@@ -1,13 +1,13 @@
 """Tensor-parallel replicas on Ray: rank 0 is the replica process itself, ranks 1.. are actors.
 
 A replica with ``tensor_parallel_size = N`` reserves N bundles in one placement group
-(:func:`deployments.placement.placement_options`; Serve schedules the replica actor in bundle 0).
-Inside the replica, :func:`start_tp_group`:
+(:func:`deployments.placement.deployment_placement`, STRICT_PACK: all N on one node; Serve
+schedules the replica actor in bundle 0). Inside the replica, :func:`start_tp_group`:
 
 1. starts one :class:`TPWorker` actor per rank 1..N-1 in bundles 1..N-1 of that placement group;
 2. forms a torch.distributed group with them (NCCL on CUDA, gloo on CPU) over
-   ``tcp://<rank-0 address>:<free port>`` — 127.0.0.1 when every rank is on rank 0's node (the
-   PACK strategy's usual outcome), rank 0's node IP otherwise (multi-node);
+   ``tcp://<rank-0 address>:<free port>`` — 127.0.0.1 when every rank is on rank 0's node (always
+   with STRICT_PACK), rank 0's node IP otherwise (a PACK/SPREAD group split over nodes);
 3. every rank loads the target and keeps its shard (:func:`dart_ray.parallel.apply_tensor_parallel`),
    concurrently; the workers then follow rank 0's commands (:func:`dart_ray.parallel.follower_loop`);
 4. builds rank 0's :class:`~dart_ray.Engine` over the group, with the drafter and tree search in the
@@ -15,6 +15,13 @@ Inside the replica, :func:`start_tp_group`:
 
 The returned :class:`TPReplicaGroup` holds the engine and the workers; :meth:`TPReplicaGroup.shutdown`
 releases them. The workers are owned by the replica, so Ray also kills them if the replica dies.
+
+Node loss: with STRICT_PACK the whole group lives on one node, so losing the node loses every rank
+at once and Serve re-creates the replica (a new placement group, all N bundles on one node again).
+If a group does span nodes and only a worker's node is lost, rank 0's next collective fails
+(the group is marked failed) and :meth:`TPReplicaGroup.check_health` raises, so Serve's health
+check replaces the replica as a whole; a worker whose replica died is killed by Ray with its owner.
+No half of a group keeps serving.
 """
 
 from __future__ import annotations

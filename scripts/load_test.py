@@ -2,23 +2,35 @@
 """Load test of a running dart-ray (or any OpenAI-compatible) server with streaming clients.
 
     python scripts/load_test.py --url http://127.0.0.1:8000 --clients 32 --requests 2 --max-tokens 64
+    # issue 16's load run: 64 streaming clients, then the same with 8 clients sending 1 MB prompts
+    python scripts/load_test.py --clients 64 --requests 2 --ignore-eos
+    python scripts/load_test.py --clients 64 --requests 2 --ignore-eos --big-clients 8 --big-prompt-bytes 1000000
 
 Runs one client alone first (the baseline), then N concurrent clients (threads, each sending
 ``--requests`` streaming requests back to back), and prints throughput (generated tokens/s,
 requests/s) and p50/p99 latency and time-to-first-token for both, plus the error count.
-Standard library only (urllib + SSE parsing), so it measures the server, not a client library.
+``--big-clients`` adds clients that, while the streaming clients run, send prompts of
+``--big-prompt-bytes`` back to back (the server refuses them: 400 ``context_length_exceeded`` or 413);
+their statuses and latencies are reported apart, and the streaming numbers show what they cost
+the others (largest inter-chunk gap included). Anything else than those refusals (5xx, connection
+errors) counts as an error. Standard library only (urllib + SSE parsing), so it measures the
+server, not a client library.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+
+BIG_OK = (400, 413)
+"""Statuses a big-prompt request is expected to get (refused before it can hurt anyone)."""
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -53,12 +65,18 @@ def one_request(base: str, i: int, a) -> dict:
     t0 = time.perf_counter()
     ttft = None
     tokens = 0
+    last = None
+    max_gap = 0.0
     try:
         with urllib.request.urlopen(req, timeout=a.timeout) as r:
             for raw in r:
                 line = raw.strip()
                 if not line.startswith(b"data: "):
                     continue
+                now = time.perf_counter()
+                if last is not None:
+                    max_gap = max(max_gap, now - last)
+                last = now
                 data = line[6:]
                 if data == b"[DONE]":
                     break
@@ -74,7 +92,38 @@ def one_request(base: str, i: int, a) -> dict:
                     tokens = obj["usage"]["completion_tokens"]
     except (urllib.error.URLError, OSError, ValueError) as e:
         return {"ok": False, "error": repr(e), "latency": time.perf_counter() - t0}
-    return {"ok": True, "latency": time.perf_counter() - t0, "ttft": ttft, "tokens": tokens}
+    return {"ok": True, "latency": time.perf_counter() - t0, "ttft": ttft, "tokens": tokens, "max_gap": max_gap}
+
+
+def big_prompt(nbytes: int, seed: int) -> str:
+    rnd = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "night", "paper", "glass"]
+    out, n = [], 0
+    while n < nbytes:
+        w = rnd.choice(words) + str(rnd.randrange(1000))
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:nbytes]
+
+
+def big_request(base: str, prompt: str, a) -> dict:
+    """One large non-streaming request; ok = refused as expected (or served)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": 8, **({"model": a.model} if a.model else {})}).encode()
+    headers = {"Content-Type": "application/json"}
+    if a.api_key:
+        headers["Authorization"] = f"Bearer {a.api_key}"
+    req = urllib.request.Request(base + "/v1/completions", data=body, headers=headers, method="POST")
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=a.timeout) as r:
+            r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        e.read()
+        status = e.code
+    except (urllib.error.URLError, OSError) as e:
+        return {"ok": False, "status": repr(e), "latency": time.perf_counter() - t0}
+    return {"ok": status == 200 or status in BIG_OK, "status": status, "latency": time.perf_counter() - t0}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -85,9 +134,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
-def run_phase(base: str, clients: int, a) -> dict:
+def run_phase(base: str, clients: int, a, big_clients: int = 0) -> dict:
     results: list[dict] = []
+    big: list[dict] = []
     lock = threading.Lock()
+    done = threading.Event()
 
     def worker(c: int) -> None:
         for r in range(a.requests):
@@ -95,13 +146,24 @@ def run_phase(base: str, clients: int, a) -> dict:
             with lock:
                 results.append(res)
 
+    def big_worker(c: int) -> None:
+        prompt = big_prompt(a.big_prompt_bytes, c)
+        while not done.is_set():
+            res = big_request(base, prompt, a)
+            with lock:
+                big.append(res)
+
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in range(clients)]
-    for t in threads:
+    bigs = [threading.Thread(target=big_worker, args=(c,), daemon=True) for c in range(big_clients)]
+    for t in threads + bigs:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    done.set()
+    for t in bigs:
+        t.join()
     ok = [r for r in results if r["ok"]]
     lat = [r["latency"] for r in ok]
     ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
@@ -112,14 +174,28 @@ def run_phase(base: str, clients: int, a) -> dict:
             "requests_per_s": len(ok) / wall if wall else 0.0,
             "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "mean_latency_s": statistics.fmean(lat) if lat else float("nan")}
+            "max_inter_chunk_gap_s": max((r.get("max_gap", 0.0) for r in ok), default=float("nan")),
+            "mean_latency_s": statistics.fmean(lat) if lat else float("nan"),
+            **({"big": summarize_big(big)} if big_clients else {})}
+
+
+def summarize_big(big: list[dict]) -> dict:
+    statuses: dict[str, int] = {}
+    for r in big:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    lat = [r["latency"] for r in big]
+    return {"requests": len(big), "unexpected": sum(not r["ok"] for r in big), "statuses": statuses,
+            "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99)}
 
 
 def fmt(p: dict) -> str:
     return (f"{p['clients']:>3} clients  {p['requests']:>4} req  {p['errors']} err  "
             f"{p['tokens_per_s']:8.1f} tok/s  {p['requests_per_s']:6.2f} req/s  "
             f"latency p50 {p['latency_p50_s']:.2f}s p99 {p['latency_p99_s']:.2f}s  "
-            f"TTFT p50 {p['ttft_p50_s']:.3f}s p99 {p['ttft_p99_s']:.3f}s")
+            f"TTFT p50 {p['ttft_p50_s']:.3f}s p99 {p['ttft_p99_s']:.3f}s  max gap {p['max_inter_chunk_gap_s']:.2f}s"
+            + (f"\n          big prompts: {p['big']['requests']} req  {p['big']['unexpected']} unexpected  "
+               f"statuses {p['big']['statuses']}  latency p50 {p['big']['latency_p50_s']:.2f}s "
+               f"p99 {p['big']['latency_p99_s']:.2f}s" if "big" in p else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--big-clients", type=int, default=0,
+                    help="extra clients sending huge prompts back to back during the concurrent phase")
+    ap.add_argument("--big-prompt-bytes", type=int, default=1_000_000, help="size of a huge prompt (characters)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     a = ap.parse_args(argv)
     base = a.url.rstrip("/")
@@ -144,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         out["single"] = run_phase(base, 1, a)
         if not a.json:
             print("baseline  " + fmt(out["single"]), flush=True)
-    out["concurrent"] = run_phase(base, a.clients, a)
+    out["concurrent"] = run_phase(base, a.clients, a, big_clients=a.big_clients)
     if not a.json:
         print("load      " + fmt(out["concurrent"]), flush=True)
         if "single" in out and out["single"]["tokens_per_s"]:
@@ -154,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             print("error:", e, file=sys.stderr)
     else:
         print(json.dumps(out, indent=2))
-    return 1 if out["concurrent"]["errors"] else 0
+    big_bad = out["concurrent"].get("big", {}).get("unexpected", 0)
+    return 1 if out["concurrent"]["errors"] or big_bad else 0
 
 
 if __name__ == "__main__":

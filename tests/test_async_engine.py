@@ -161,22 +161,23 @@ def test_bad_prompt_propagates_original_exception(tiny_llama):
 
 
 def test_queue_full(tiny_llama):
-    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama, max_batch_size=1)), max_queue=2)
+    # 1 row + max_queue 2 waiting: the request that takes the free row is not "waiting" (issue 16)
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama, max_batch_size=1)), max_queue=2, retry_after_s=3)
     gate = threading.Event()
     try:
         async def main():
             blocked = aeng.call_future(lambda e: gate.wait(30))   # park the engine thread
             sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
-            t1 = asyncio.create_task(_drain(aeng.stream("a", sp)))
-            t2 = asyncio.create_task(_drain(aeng.stream("b", sp)))
+            tasks = [asyncio.create_task(_drain(aeng.stream(p, sp))) for p in ("a", "b", "c")]
             await asyncio.sleep(0.05)
             assert aeng.queue_depth == 2
-            with pytest.raises(QueueFullError):
-                await _drain(aeng.stream("c", sp))
+            with pytest.raises(QueueFullError) as ei:
+                await _drain(aeng.stream("d", sp))
+            assert ei.value.retry_after_s == 3
             gate.set()
             await asyncio.wrap_future(blocked)
-            r1, r2 = await asyncio.gather(t1, t2)
-            assert len(r1[0]) == len(r2[0]) == 4
+            res = await asyncio.gather(*tasks)
+            assert [len(r[0]) for r in res] == [4, 4, 4]
             assert aeng.queue_depth == 0
             ids, _, _ = await _drain(aeng.stream("c", sp))     # room again
             assert len(ids) == 4
@@ -264,3 +265,98 @@ def test_shutdown_and_factory_errors(tiny_llama):
             await _drain(aeng.stream("x"))
 
     asyncio.run(main())
+
+
+def test_admission_counts_rows_plus_queue(tiny_llama):
+    """max_batch_size running + max_queue waiting, then QueueFullError; submitted-but-not-handed
+    requests only count as waiting beyond the free rows, on every lane."""
+    from dart_ray.drafters import NoDrafter
+
+    rows, max_queue = 2, 3
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama, max_batch_size=rows)), max_queue=max_queue)
+    gate = threading.Event()
+    try:
+        async def main():
+            await aeng.add_lane("none", lambda e: Engine(e.target, NoDrafter(), e.config.replace(method="none")))
+            blocked = aeng.call_future(lambda e: gate.wait(30))   # park: every add stays pending
+            sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+            tasks = []
+            for i in range(rows):                                   # take the main lane's rows
+                tasks.append(asyncio.create_task(_drain(aeng.stream(f"r{i}", sp))))
+                await asyncio.sleep(0.01)
+                assert aeng.queue_depth == 0 and aeng.num_in_flight == i + 1
+            for i in range(max_queue):                              # then fill the queue
+                tasks.append(asyncio.create_task(_drain(aeng.stream(f"w{i}", sp))))
+                await asyncio.sleep(0.01)
+                assert aeng.queue_depth == i + 1
+            with pytest.raises(QueueFullError):
+                await _drain(aeng.stream("over", sp))
+            # another lane's free rows still admit (they are not waiting), its overflow does not
+            for i in range(rows):
+                tasks.append(asyncio.create_task(_drain(aeng.stream(f"n{i}", sp, lane="none"))))
+            await asyncio.sleep(0.02)
+            assert aeng.queue_depth == max_queue and aeng.num_in_flight == 2 * rows + max_queue
+            with pytest.raises(QueueFullError):
+                await _drain(aeng.stream("over", sp, lane="none"))
+            gate.set()
+            await asyncio.wrap_future(blocked)
+            res = await asyncio.gather(*tasks)
+            assert all(len(r[0]) == 3 for r in res)
+            assert aeng.queue_depth == 0 and aeng.num_running == 0 and aeng.num_in_flight == 0
+
+        asyncio.run(main())
+    finally:
+        gate.set()
+        aeng.shutdown()
+
+
+def test_request_timing_and_step_observer(tiny_llama):
+    seen: list[int] = []
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama)), on_step=seen.append)
+    try:
+        from dart_ray.engine.async_engine import RequestTiming
+
+        async def main():
+            timing = RequestTiming()
+            ids, _, last = await _drain(aeng.stream("time me", SamplingParams(max_new_tokens=5, ignore_eos=True),
+                                                    timing=timing))
+            return timing, ids, last
+
+        timing, ids, last = asyncio.run(main())
+        assert timing.submitted <= timing.scheduled <= timing.first_token
+        assert sum(seen) == last.num_prompt_tokens + len(ids)     # prompt + generated, over the steps
+    finally:
+        aeng.shutdown()
+
+
+def test_lane_count_is_bounded(tiny_llama):
+    from dart_ray.drafters import NoDrafter
+    from dart_ray.engine.async_engine import LaneLimitError
+
+    def none_lane(e):
+        return Engine(e.target, NoDrafter(), e.config.replace(method="none"))
+
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama)), max_lanes=2)
+    try:
+        async def main():
+            await aeng.add_lane("none", none_lane)
+            await aeng.add_lane("none", none_lane)                # existing: no growth, no error
+            with pytest.raises(LaneLimitError):
+                await aeng.add_lane("other", none_lane)
+            assert set(aeng.lanes) == {"main", "none"}
+
+        asyncio.run(main())
+    finally:
+        aeng.shutdown()
+
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama)), max_lanes=2)
+    try:
+        async def racing():                                       # concurrent builds cannot overshoot
+            return await asyncio.gather(*[aeng.add_lane(f"l{i}", none_lane) for i in range(4)],
+                                        return_exceptions=True)
+
+        res = asyncio.run(racing())
+        assert sum(r is None for r in res) == 1 and all(isinstance(r, LaneLimitError) for r in res if r is not None)
+        assert len(aeng.lanes) == 2
+    finally:
+        aeng.shutdown()

@@ -174,6 +174,27 @@ def test_parts_commit_atomically_and_idempotently(tmp_path):
         store.committed_ids("id")
 
 
+def test_attempt_records_count_retried_rows(tmp_path):
+    from batch.store import retry_report
+
+    store = OutputStore(tmp_path / "out")
+    store.create()
+    assert store.attempted_ids("id") is None
+    assert retry_report(None) == {"rows": 0, "in_run": 0, "from_interrupted_run": 0}
+    store.record_attempt(pa.array(["a", "b"]), "id")
+    store.record_attempt(pa.array(["c", "d"]), "id")
+    store.record_attempt(pa.array(["b", "a"]), "id")    # the first batch, run again after a loss
+    assert not list(store.tmp.iterdir())                 # records are renamed into place
+    attempted = store.attempted_ids("id")
+    assert sorted(attempted.to_pylist()) == ["a", "a", "b", "b", "c", "d"]
+    # "x" was started by an interrupted earlier run and generated again now; "y" was not (yet)
+    assert retry_report(attempted, pa.array(["x", "y"])) == {"rows": 2, "in_run": 2, "from_interrupted_run": 0}
+    store.record_attempt(pa.array(["x"]), "id")
+    assert retry_report(store.attempted_ids("id"), pa.array(["x", "y"])) == {
+        "rows": 3, "in_run": 2, "from_interrupted_run": 1}
+    assert store.clear_attempts() == 4 and store.attempted_ids("id") is None
+
+
 def test_driver_lock_excludes_second_driver_and_waits_for_stale_workers(tmp_path):
     store = OutputStore(tmp_path / "out")
     with store.driver_session(), pytest.raises(OutputBusyError, match="another"), \
@@ -269,6 +290,9 @@ def test_killed_job_resumes_with_every_id_exactly_once(tmp_path, tiny_model, ref
         last = json.loads((store.meta / "last_run.json").read_text())
         assert last["ok"] and last["already_done"] >= 4 * killed_at  # resumed, not restarted
         assert last["rows"] == n - last["already_done"]
+        # rows the killed run had started but not committed are generated again, and counted
+        assert last["retried_rows"] == last["retries"]["from_interrupted_run"] <= last["rows"]
+        assert "retried:" in second.stdout
 
         third = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
                                timeout=120)
@@ -310,8 +334,9 @@ def test_jsonl_without_id_column_two_actors(tmp_path, engine_config, ref_engine,
     assert table.column("prompt").to_pylist() == _prompts(n)
     assert pc.sum(pc.is_valid(table.column("error"))).as_py() == len(BAD_ROWS)
     _assert_matches_single(ref_engine, [r for r in table.to_pylist()[::10] if r["error"] is None])
+    assert summary.retried_rows == 0 and summary.retries["in_run"] == 0  # nothing was lost
     again = run_batch_job(cfg)
-    assert again.rows == 0 and again.already_done == n and again.ok
+    assert again.rows == 0 and again.already_done == n and again.ok and again.retried_rows == 0
 
 
 def test_dart_generator_in_a_user_pipeline(engine_config, ref_engine, ray_local):

@@ -41,3 +41,40 @@ def test_serve_default_yaml_args_are_valid():
     assert args.tensor_parallel_size == 1 and args.max_batch_size >= 1
     with pytest.raises(ValueError):
         ServeArgs.from_dict({**app["args"], "not_a_field": 1})
+
+
+def test_head_node_runs_no_workloads():
+    """The head starts with 0 CPUs: replicas, TP ranks and batch actors only land on workers."""
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    assert "--num-cpus=0" in " ".join(cfg["head_start_ray_commands"])
+
+
+def test_deployment_placement_spread_and_strict_pack():
+    from deployments.config import ServeArgs
+    from deployments.placement import deployment_placement, spread_options
+
+    # TP = 1: replicas spread, at most max_replicas_per_node per node (none: Serve's soft SPREAD)
+    assert deployment_placement({"num_cpus": 0.5}) == {"ray_actor_options": {"num_cpus": 0.5}}
+    assert deployment_placement({"num_cpus": 0.5, "max_replicas_per_node": 1}) == {
+        "ray_actor_options": {"num_cpus": 0.5}, "max_replicas_per_node": 1}
+    # TP = N: one STRICT_PACK group per replica (all ranks on one node); the replica fits bundle 0
+    tp = deployment_placement({"tensor_parallel_size": 2, "device": "cuda", "num_cpus": 4})
+    assert tp["placement_group_strategy"] == "STRICT_PACK"
+    assert tp["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 1.0}] * 2
+    assert tp["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 1.0}
+    assert "max_replicas_per_node" not in tp
+    assert deployment_placement({"tensor_parallel_size": 2, "placement_strategy": "PACK"})[
+        "placement_group_strategy"] == "PACK"
+    # a ServeArgs works as well as a dict (fields it lacks take the defaults)
+    args = ServeArgs(tensor_parallel_size=2, num_cpus=1)
+    assert deployment_placement(args)["placement_group_bundles"] == [{"CPU": 1.0}] * 2
+    with pytest.raises(ValueError, match="cannot be combined"):
+        deployment_placement({"tensor_parallel_size": 2, "max_replicas_per_node": 1})
+    with pytest.raises(ValueError, match="unknown placement strategy"):
+        deployment_placement({"tensor_parallel_size": 2, "placement_strategy": "RANDOM"})
+    with pytest.raises(ValueError, match="unknown placement strategy"):
+        deployment_placement({"placement_strategy": "RANDOM"})
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_replicas_per_node"):
+            spread_options(bad)
+    assert spread_options(None) == {}

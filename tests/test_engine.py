@@ -314,7 +314,7 @@ def test_bench_runs_every_own_method(tiny_dirs, tiny_baselines, tmp_path):
 def test_dart_with_lookup_paths_equals_ar_and_accepts_more(tiny, ar_out, batch):
     """DART's tree with prompt-lookup paths merged in stays exact; on the repetitive prompts the
     merged paths are accepted (an untrained drafter alone accepts almost nothing)."""
-    base = DecodingConfig(tree_budget=8, top_k=4, beam_width=3)
+    base = DecodingConfig(tree_budget=8, top_k=4, beam_width=3, lookup_paths=0)
     plain = make_engine(tiny, "dart", "random", batch=batch, decoding=base)
     merged = make_engine(tiny, "dart", "random", batch=batch,
                          decoding=base.replace(lookup_paths=2, lookup_min_match=1))

@@ -13,10 +13,42 @@ needs_packing = pytest.mark.skipif(not packing_supported("cpu", torch.bfloat16),
                                    reason="this CPU/torch build has no oneDNN bf16 support")
 
 
-def test_supported_only_for_cpu_bf16():
-    assert not packing_supported("cpu", torch.float32)
+def test_supported_for_cpu_bf16_and_fp32_where_measured(monkeypatch):
+    from dart_ray.models import packing
+
     assert not packing_supported("cpu", torch.float16)
     assert not packing_supported("meta", torch.bfloat16)
+    assert not packing_supported("meta", torch.float32)
+    # fp32: only where this machine measures packed faster (AVX2 EPYC yes, AMX Xeon no)
+    monkeypatch.setattr(packing, "fp32_packing_helps", lambda: False)
+    assert not packing_supported("cpu", torch.float32)
+    monkeypatch.setattr(packing, "fp32_packing_helps", lambda: True)
+    assert packing_supported("cpu", torch.float32) == torch.backends.mkldnn.is_available()
+
+
+def test_fp32_packing_decision_is_measured_and_cached(tmp_path, monkeypatch):
+    from dart_ray.models import packing
+
+    monkeypatch.setenv("DART_RAY_CACHE", str(tmp_path))
+    calls = []
+
+    def fake():
+        calls.append(1)
+        return {"dense_1": 1.0, "dense_9": 3.0, "packed_1": 1.1, "packed_9": 1.5}
+
+    monkeypatch.setattr(packing, "measure_fp32_packing", fake)
+    assert packing.fp32_packing_helps() and packing.fp32_packing_helps()
+    assert len(calls) == 1                                            # cached per fingerprint
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("rows", [1, 2, 9, 64])
+def test_packed_fp32_linear_matches_dense(rows):
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 200, bias=True)
+    x = torch.randn(2, rows, 96)
+    with torch.inference_mode():
+        torch.testing.assert_close(PackedLinear.from_linear(lin)(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
 @needs_packing
@@ -71,7 +103,7 @@ def test_pack_model_same_logits_tied_head_kept(tiny_dirs):
 
 
 @needs_packing
-def test_engine_packs_bf16_and_refuses_fp32(tiny_dirs):
+def test_engine_packs_bf16_and_refuses_fp16(tiny_dirs):
     from dart_ray import Engine, EngineConfig, SamplingParams
 
     eng = Engine.from_config(EngineConfig(model=str(tiny_dirs["llama"]), method="none", dtype="bf16",
@@ -88,5 +120,5 @@ def test_engine_packs_bf16_and_refuses_fp32(tiny_dirs):
                                           max_batch_size=1, max_seq_len=128, pack_weights=False))
     assert type(off.model.layers[0].attn.qkv) is nn.Linear
     with pytest.raises(ValueError, match="pack_weights"):
-        Engine.from_config(EngineConfig(model=str(tiny_dirs["llama"]), method="none", dtype="fp32",
+        Engine.from_config(EngineConfig(model=str(tiny_dirs["llama"]), method="none", dtype="fp16",
                                         max_batch_size=1, max_seq_len=128, pack_weights=True))

@@ -64,21 +64,26 @@ def server(tiny_model):
     from ray import serve
 
     from deployments.openai_app import build_app
+    from deployments.run import start_local_ray
 
     tmp = tempfile.mkdtemp(prefix="drs-", dir="/tmp")       # short: Ray's socket paths must fit
     port = _free_port()
     own_ray = not ray.is_initialized()                        # reuse a Ray another module started
     if own_ray:
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
+        start_local_ray(num_cpus=2, temp_dir=tmp, log_to_driver=False)     # loopback, like `dart-ray serve`
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # main: overrides on (2 lanes), and a char cap high enough that a 3 MB prompt is tokenised
         args = {"model": str(tiny_model), "method": "ngram", "dtype": "fp32", "max_batch_size": 4,
                 "max_seq_len": MAX_SEQ_LEN, "num_threads": 1, "num_cpus": 0.25, "max_queue": 32,
-                "served_model_name": MODEL_NAME}
-        secure = {**args, "method": "none", "api_key": API_KEY, "max_batch_size": 1}
+                "served_model_name": MODEL_NAME, "allow_speculative_override": True, "max_lanes": 2,
+                "max_prompt_chars": 4_000_000, "adaptive": False}     # fixed trees: speculation every step
+        # secure: the defaults (overrides off, caps on), 1 row + 1 waiting
+        secure = {**args, "method": "none", "api_key": API_KEY, "max_batch_size": 1, "max_queue": 1,
+                  "allow_speculative_override": False, "max_prompt_chars": None, "retry_after_s": 2}
         serve.run_many([serve.RunTarget(build_app(args), name="main", route_prefix="/"),
                         serve.RunTarget(build_app(secure), name="secure", route_prefix="/secure")])
-        yield {"url": f"http://127.0.0.1:{port}", "port": port}
+        yield {"url": f"http://127.0.0.1:{port}", "port": port, "model": tiny_model}
     finally:
         try:
             serve.shutdown()
@@ -339,3 +344,240 @@ def test_replica_killed_is_replaced(server, client):
     assert body["usage"]["completion_tokens"] >= 1
     new_pid = serve.get_app_handle("main").pid.remote().result(timeout_s=30)
     assert new_pid != pid
+
+
+# ---- issue 16: hardening ------------------------------------------------------------------------------
+def test_request_at_exactly_max_model_len_gets_its_tokens(server, client, reference):
+    """prompt + max_tokens == max_model_len: every token comes back (finish "length" at max_tokens);
+    one more is refused up front, exactly as the engine would (admission matches the engine)."""
+    prompt = "A long story about the sea:"
+    n_prompt = reference(prompt, 1)[3]
+    _, card = _http("GET", server["url"] + "/v1/models/" + MODEL_NAME)
+    max_model_len = card["max_model_len"]
+    want = max_model_len - n_prompt
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=want, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == want and r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == max_model_len
+    status, body = _http("POST", server["url"] + "/v1/completions",
+                         {"prompt": prompt, "max_tokens": want + 1, "ignore_eos": True})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+
+
+def test_stop_string_usage_counts_through_the_stop(server, client, tiny_model):
+    """usage.completion_tokens = the tokens up to the one that completes the stop string, even when
+    the step that produced it accepted more (n-gram drafts on a repetitive prompt)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    prompt = "1 2 3 4 1 2 3 4 1 2 3 4 1 2 3 4"
+    full = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    gen = tok(prompt + full.choices[0].text, add_special_tokens=False)["input_ids"][len(ids):]
+    text = full.choices[0].text
+    checked = 0
+    for start in (len(text) // 3, len(text) // 2):
+        stop = text[start:start + 2]
+        if not stop.strip():
+            continue
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                      stop=[stop], extra_body={"ignore_eos": True})
+        out = r.choices[0].text
+        assert r.choices[0].finish_reason == "stop" and text.startswith(out) and stop not in out
+        # the smallest k whose decoded prefix contains the stop string
+        k = next(k for k in range(1, len(gen) + 1)
+                 if stop in tok.decode(gen[:k], skip_special_tokens=True))
+        assert r.usage.completion_tokens == k, (stop, out)
+        checked += 1
+    assert checked
+
+
+def test_body_and_prompt_caps(server):
+    sec = server["url"] + "/secure"
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    big = json.dumps({"prompt": "x" * (4 * 1024 * 1024 + 10)}).encode()             # > max_body_bytes
+    status, body = _http("POST", sec + "/v1/completions", big, headers=h)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    # over the default character cap (max_model_len x longest token): refused without tokenising
+    t0 = time.perf_counter()
+    status, body = _http("POST", sec + "/v1/completions", {"prompt": "word " * 100_000}, headers=h)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert "characters" in body["error"]["message"] and time.perf_counter() - t0 < 10
+    status, body = _http("POST", sec + "/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "w " * 300_000}]}, headers=h)
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, body = _http("POST", sec + "/v1/completions", {"prompt": [5] * MAX_SEQ_LEN}, headers=h)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert _http("POST", sec + "/v1/completions", {"prompt": "ok", "max_tokens": 2}, headers=h)[0] == 200
+
+
+def _stream_gaps(url: str, stop: threading.Event, gaps: list, times: list) -> None:
+    """Streams back to back until ``stop``; records the gaps between chunks inside each stream."""
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    while not stop.is_set():
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Tell me a story.", "max_tokens": 200,
+                                                            "ignore_eos": True, "stream": True,
+                                                            "temperature": 0}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        last = None
+        for line in resp:
+            if not line.startswith(b"data: "):
+                continue
+            now = time.perf_counter()
+            times.append(now)
+            if last is not None:
+                gaps.append((last, now))
+            last = now
+            if line.strip() == b"data: [DONE]":
+                break
+        conn.close()
+
+
+def test_large_prompt_does_not_stall_other_streams(server):
+    """A 3 MB prompt is read, parsed and tokenised while another client streams: the stream's
+    largest inter-chunk gap stays below half the time that tokenisation takes.
+
+    Bound: tokenising the prompt takes T_tok (measured here with the same tokenizer, >= 0.4 s; on
+    the 2-core CI box about 3 s). Had it run on the engine thread (as before issue 16), some gap of
+    the concurrent stream would be >= T_tok. Without it, a gap is one engine step of the tiny model
+    plus Serve's proxy hop (tens of ms), at worst stretched by GIL hand-offs (5 ms switch interval)
+    while the tokenizer thread converts ids: T_tok / 2 leaves a >10x margin over that and still
+    fails if tokenisation blocks stepping.
+    """
+    import random
+
+    from transformers import AutoTokenizer
+
+    rnd = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "sea", "storm", "river", "stone", "light", "night", "code",
+             "table", "green", "quick", "slow", "north", "south", "paper", "glass", "winter"]
+    prompt = " ".join(rnd.choice(words) + str(rnd.randrange(1000)) for _ in range(330_000))[:3_000_000]
+    tok = AutoTokenizer.from_pretrained(str(server["model"]))
+    t0 = time.perf_counter()
+    tok(prompt, add_special_tokens=False)
+    t_tok = time.perf_counter() - t0
+    assert t_tok >= 0.4, f"tokenising takes only {t_tok:.2f} s here: the test would not show a stall"
+    bound = t_tok / 2
+
+    stop, gaps, times = threading.Event(), [], []
+    streamer = threading.Thread(target=_stream_gaps, args=(server["url"], stop, gaps, times), daemon=True)
+    streamer.start()
+    deadline = time.time() + 60
+    while len(times) < 3 and time.time() < deadline:            # the stream is flowing
+        time.sleep(0.05)
+    b0 = time.perf_counter()
+    status, body = _http("POST", server["url"] + "/v1/completions", {"prompt": prompt, "max_tokens": 4},
+                         timeout=300)
+    b1 = time.perf_counter()
+    stop.set()
+    streamer.join(180)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"   # tokenised, then refused
+    during = [b - a for a, b in gaps if b > b0 and a < b1]
+    assert len(during) >= 5, f"the stream did not overlap the big request ({b1 - b0:.2f} s)"
+    assert max(during) < bound, (f"largest inter-chunk gap {max(during):.3f} s during a {b1 - b0:.2f} s large "
+                                 f"request (tokenising: {t_tok:.2f} s)")
+
+
+def test_queue_full_is_503_with_retry_after(server):
+    """secure app: max_batch_size 1 running + max_queue 1 waiting, then 503 + Retry-After."""
+    import http.client
+
+    h = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    long = json.dumps({"prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0})
+    first = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=120)
+    first.request("POST", "/secure/v1/completions", long, h)
+    resp = first.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")          # holds the row
+    waiting: list = []
+    t = threading.Thread(target=lambda: waiting.append(
+        _http("POST", server["url"] + "/secure/v1/completions", {"prompt": "w", "max_tokens": 2},
+              headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)), daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline:                                              # the second one waits
+        if _http("GET", server["url"] + "/secure/health")[1].get("queue_depth") == 1:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the second request never queued")
+    req = urllib.request.Request(server["url"] + "/secure/v1/completions", method="POST", headers=h,
+                                 data=json.dumps({"prompt": "x", "max_tokens": 2}).encode())
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=60)
+    assert ei.value.code == 503 and ei.value.headers.get("Retry-After") == "2"
+    assert json.loads(ei.value.read())["error"]["code"] == "queue_full"
+    first.close()                                                              # frees the row
+    t.join(120)
+    assert waiting and waiting[0][0] == 200
+
+
+def test_metrics_parse_as_prometheus_with_vllm_names(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deployments.metrics import VLLM_METRICS
+
+    client.completions.create(model=MODEL_NAME, prompt="1 2 3 1 2 3 1 2 3", max_tokens=12, temperature=0)
+    status, text = _http("GET", server["url"] + "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    missing = [n for n in VLLM_METRICS if n not in families]
+    assert not missing, missing
+    assert not [f.name for f in families.values() if f.type == "unknown"]   # every sample has its family
+    # OpenMetrics (what Prometheus asks for first): # TYPE names a counter family without _total
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as parse_openmetrics,
+    )
+
+    status, om = _http("GET", server["url"] + "/metrics",
+                       headers={"Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"})
+    assert status == 200 and om.rstrip().endswith("# EOF")
+    om_families = {f.name: f for f in parse_openmetrics(om)}
+    assert set(VLLM_METRICS) <= set(om_families)
+    for line in om.splitlines():
+        if line.startswith("# TYPE ") and line.split()[3] == "counter":
+            assert not line.split()[2].endswith("_total"), line
+    for f in families.values():
+        for smp in f.samples:
+            assert smp.labels.get("model_name") == MODEL_NAME, smp
+            assert smp.labels.get("replica") and smp.labels.get("node"), smp
+    val = {(f.name, smp.name): smp.value for f in families.values() for smp in f.samples
+           if "position" not in smp.labels and "le" not in smp.labels and "finished_reason" not in smp.labels}
+    drafts = val[("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_drafts_total")]
+    draft_tokens = val[("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens_total")]
+    accepted = val[("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total")]
+    nodes = val[("dart_ray:spec_decode_tree_nodes", "dart_ray:spec_decode_tree_nodes_total")]
+    assert drafts > 0 and 0 <= accepted <= draft_tokens <= nodes                 # rate in [0, 1]
+    per_pos = {int(smp.labels["position"]): smp.value
+               for smp in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples}
+    assert sum(per_pos.values()) == accepted and per_pos.get(0, 0) <= drafts
+    assert 0.0 <= val[("vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc")] <= 1.0
+    ok = {smp.labels["finished_reason"]: smp.value for smp in families["vllm:request_success"].samples}
+    assert set(ok) >= {"stop", "length", "abort"} and ok["length"] >= 1
+    assert val[("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count")] >= 1
+    assert val[("vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds_count")] >= 1
+
+
+def test_lane_count_stays_bounded(server):
+    """However clients ask, the main app never holds more than max_lanes (2) engines."""
+    from ray import serve
+
+    from dart_ray import METHODS
+
+    for m in list(METHODS) * 2:
+        status, body = _http("POST", server["url"] + "/v1/completions",
+                             {"prompt": "hi", "max_tokens": 2, "speculative": {"method": m}})
+        assert status in (200, 400), body
+        if status == 400:
+            assert body["error"]["param"] == "speculative"
+    lanes = serve.get_app_handle("main").lanes.remote().result(timeout_s=30)
+    assert len(lanes) <= 2 and "main" in lanes
+    status, body = _http("POST", server["url"] + "/secure/v1/completions", {"prompt": "hi", "speculative": {"method": "ngram"}},
+                         headers={"Authorization": f"Bearer {API_KEY}"})
+    assert status == 400 and body["error"]["code"] == "unsupported_value"      # off by default

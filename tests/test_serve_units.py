@@ -129,14 +129,17 @@ def test_metrics_render():
     m.finished("stop", 0.3, 5, 7)
     m.ttft.observe(0.02)
     m.error(400)
-    stats = {"main": ("dart", {"row_steps": 10, "draft_tokens": 100, "accepted_tokens": 6,
-                               "accepted_per_depth": [4, 2], "generated_tokens": 16, "prompt_tokens": 5}),
+    stats = {"main": ("dart", {"row_steps": 10, "spec_row_steps": 10, "draft_tokens": 100, "draft_depth_tokens": 30,
+                               "accepted_tokens": 6, "accepted_per_depth": [4, 2], "generated_tokens": 16,
+                               "prompt_tokens": 5}),
              "none": ("none", {"row_steps": 3, "draft_tokens": 0, "accepted_tokens": 0,
                                "accepted_per_depth": [], "generated_tokens": 3, "prompt_tokens": 2})}
     text = m.render(stats, queue_depth=2, num_running=1, num_positions=4)
     lines = set(text.splitlines())
     assert 'vllm:spec_decode_num_drafts_total{model_name="tiny"} 10.0' in lines        # AR lane excluded
-    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="tiny"} 100.0' in lines
+    # issue 16: vLLM's draft tokens of a tree = its depth per draft; all nodes have their own name
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="tiny"} 30.0' in lines
+    assert 'dart_ray:spec_decode_tree_nodes_total{model_name="tiny"} 100.0' in lines
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"} 6.0' in lines
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 2.0' in lines
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="3"} 0.0' in lines
@@ -203,3 +206,123 @@ def test_tp_args_checked_at_build_time(tiny_dirs):
     build_app({"model": model, "method": "ngram", "tensor_parallel_size": 2, "num_cpus": 0.1})
     with pytest.raises(ValueError):
         build_app({"model": model, "method": "ngram", "tensor_parallel_size": 3, "num_cpus": 0.1})
+
+
+# ---- issue 16: hardening (pure parts) ------------------------------------------------------------------
+def test_hardening_args_defaults_and_validation():
+    a = ServeArgs()
+    assert a.allow_speculative_override is False and a.max_lanes == 2
+    assert a.max_body_bytes == 4 * 1024 * 1024 and a.max_prompt_chars is None and a.replica_niceness == 0
+    for bad in ({"max_lanes": 0}, {"max_body_bytes": 10}, {"max_prompt_chars": 0}, {"tokenizer_workers": 0},
+                {"replica_niceness": 40}, {"retry_after_s": -1}, {"max_prompt_chars": "1"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServeArgs.from_dict(bad)
+    from deployments.openai_app import deployment_options
+
+    on = deployment_options(ServeArgs(max_batch_size=4, max_queue=10, allow_speculative_override=True, max_lanes=3))
+    assert on["max_ongoing_requests"] >= 4 * 3 + 10
+
+
+def test_metrics_exposition_parses_with_vllm_names():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dart_ray.engine.async_engine import RequestTiming
+    from deployments.metrics import VLLM_METRICS, token_buckets
+
+    m = ServerMetrics("tiny", replica="r1", node="n1", max_model_len=256)
+    m.first_token(0.05)
+    m.inter_token(0.02)
+    m.observe_iteration(12)
+    m.finished("length", 0.5, 5, 8, timing=RequestTiming(submitted=1.0, scheduled=1.1, first_token=1.2),
+               first_token_s=1.25, end_s=1.5, max_tokens=8)
+    stats = {"main": ("dart", {"row_steps": 4, "spec_row_steps": 3, "draft_tokens": 40, "draft_depth_tokens": 12,
+                               "accepted_tokens": 5, "accepted_per_depth": [3, 2], "generated_tokens": 9,
+                               "prompt_tokens": 5})}
+    text = m.render(stats, queue_depth=0, num_running=0, num_positions=4, kv_cache_usage=0.25)
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert set(VLLM_METRICS) <= set(fams)
+    assert fams["vllm:prompt_tokens"].type == "counter" and fams["vllm:e2e_request_latency_seconds"].type == "histogram"
+    for f in fams.values():
+        for s in f.samples:
+            assert (s.labels["model_name"], s.labels["replica"], s.labels["node"]) == ("tiny", "r1", "n1")
+    v = {s.name: s.value for f in fams.values() for s in f.samples if set(s.labels) == {"model_name", "replica", "node"}}
+    assert v["vllm:spec_decode_num_drafts_total"] == 3 and v["vllm:spec_decode_num_draft_tokens_total"] == 12
+    assert v["vllm:spec_decode_num_accepted_tokens_total"] == 5 and v["dart_ray:spec_decode_tree_nodes_total"] == 40
+    assert v["vllm:kv_cache_usage_perc"] == 0.25 and v["vllm:num_preemptions_total"] == 0
+    assert abs(v["vllm:request_queue_time_seconds_sum"] - 0.1) < 1e-9
+    assert abs(v["vllm:request_decode_time_seconds_sum"] - 0.25) < 1e-9
+    assert abs(v["vllm:request_time_per_output_token_seconds_sum"] - 0.25 / 7) < 1e-9
+    assert v["vllm:iteration_tokens_total_sum"] == 12
+    assert token_buckets(256) == (1, 2, 5, 10, 20, 50, 100, 200)
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as parse_openmetrics,
+    )
+
+    om = m.render(stats, queue_depth=0, num_running=0, num_positions=4, kv_cache_usage=0.25, openmetrics=True)
+    assert {f.name: f.type for f in parse_openmetrics(om)} == {f.name: f.type for f in fams.values()}
+    assert "# TYPE vllm:prompt_tokens counter" in om.splitlines() and om.endswith("# EOF\n")
+    assert "# TYPE vllm:prompt_tokens_total counter" in text.splitlines()        # the 0.0.4 convention
+
+
+def test_queue_full_maps_to_503_with_retry_after():
+    from dart_ray.engine.async_engine import QueueFullError
+    from deployments.openai_app import _engine_error
+
+    e = _engine_error(QueueFullError("full", retry_after_s=2.4))
+    assert (e.status, e.code, e.headers) == (503, "queue_full", {"Retry-After": "2"})
+
+
+def test_prompt_size_and_token_bound():
+    from deployments.openai_app import max_token_chars
+    from deployments.protocol import prompt_size
+
+    assert prompt_size(parse_completion({"prompt": "abcd"})) == (4, None)
+    assert prompt_size(parse_completion({"prompt": [1, 2, 3]})) == (0, 3)
+    assert prompt_size(parse_chat({"messages": [{"role": "system", "content": "ab"},
+                                                {"role": "user", "content": "cde"}]})) == (5, None)
+
+    class Tok:
+        def get_vocab(self):
+            return {"a": 0, "Ġhello": 1, "<|im_start|>": 2}
+
+    assert max_token_chars(Tok()) == 12
+
+
+def test_reset_niceness_lowers_to_target():
+    import os
+
+    from deployments.openai_app import reset_niceness
+
+    assert reset_niceness(None) is None
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    assert reset_niceness(now) == now                       # already there: nothing to do
+    assert reset_niceness(19) == now                        # never raises niceness
+
+
+def test_loopback_helpers_and_cli_flags():
+    from deployments.cli import build_parser
+    from deployments.run import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.com")
+    a = build_parser().parse_args([])
+    assert a.ray_node_ip == "127.0.0.1" and not a.insecure_no_ray_auth and a.address is None
+    a = build_parser().parse_args(["--address", "10.0.0.1:6379", "--insecure-no-ray-auth"])
+    assert a.address == "10.0.0.1:6379" and a.insecure_no_ray_auth
+
+
+def test_grafana_dashboard_reads_exported_metrics():
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    dash = json.loads((Path(__file__).resolve().parents[1] / "deployments/grafana/dart_ray_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    m = ServerMetrics("m", "r", "n")
+    m.error(503)                                     # so the errors family has a sample
+    text = m.render({"main": ("dart", {})}, 0, 0, 2)
+    samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    used = {m for e in exprs for m in re.findall(r"(?:vllm|dart_ray):[a-z0-9_]+", e)}
+    assert used and not used - samples, used - samples
+    assert all('model_name="$model_name"' in e for e in exprs)

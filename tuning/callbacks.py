@@ -59,7 +59,16 @@ class Progress(tune.Callback):
         knobs = " ".join(f"{k}={_fmt(v)}" for k, v in sorted(trial.config.items()))
         msg = f"[bs={self.batch_size}] trial {self.n}/{self.target} {status}"
         if tps is not None:
-            msg += f": {tps:.1f} tok/s, tau {r.get('tau', 0):.2f} ({r.get('prompts_done', 0)} prompts)"
+            msg += f": {tps:.1f} tok/s, tau {r.get('tau', 0):.2f} ({r.get('prompts_done', 0)} prompts"
+            if r.get("mean_new_tokens") is not None:
+                msg += f", {r['mean_new_tokens']:.0f} tokens each"
+            if r.get("p95_latency_s") is not None:
+                msg += f", p95 {r['p95_latency_s']:.2f} s"
+            msg += ")"
+            if r.get("load_flag"):
+                msg += f" [UNDER LOAD: AR probe {r.get('load_drift', 0):.0%} slow after a re-run; not chosen]"
+            elif r.get("reruns"):
+                msg += " [re-run once: load during the first measurement]"
         if self.best is not None:
             msg += f" | best this run {self.best:.1f}"
         if self._log is not None:

@@ -1,9 +1,12 @@
 """``dart-ray tune``: tune decoding knobs per batch size on a workload and write a profile.
 
     dart-ray tune --prompts FILE --workload NAME [--batch-sizes 1,4,16] [--trials N]
-                  [--time-budget S] [--storage URL] --out PROFILE.yaml
+                  [--time-budget S] [--storage URL] [--objective throughput|throughput+p95]
+                  [--for-this-machine [PROFILE]] --out PROFILE.yaml
 
 Resumable: rerun the same command (same --storage) after an interruption; see ``tuning.study``.
+``--for-this-machine`` re-tunes a profile (default: the shipped one named like ``--workload``) on
+this machine, starting from its knobs; the written profile records this machine's fingerprint.
 """
 
 from __future__ import annotations
@@ -23,7 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", required=True, help="workload name (profile name and study prefix)")
     p.add_argument("--out", required=True, help="profile YAML to write (plots go next to it)")
     p.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes to tune (default 1,4,16)")
-    p.add_argument("--trials", type=int, default=30, help="target finished trials per batch size (default 30)")
+    p.add_argument("--trials", type=int, default=None,
+                   help="target finished trials per batch size (default 30; 12 with --for-this-machine)")
+    p.add_argument("--for-this-machine", nargs="?", const="", default=None, metavar="PROFILE", dest="warm_start",
+                   help="warm start: the profile's knobs (default: the shipped profile named like --workload) "
+                        "are the first trials of each batch size; the new profile records this machine")
+    p.add_argument("--objective", default="throughput", choices=["throughput", "throughput+p95"],
+                   help="throughput (default): max tokens/s; throughput+p95: Pareto of tokens/s and p95 "
+                        "request latency, the profile takes the fastest point within the p95 bound")
+    p.add_argument("--p95-max-ratio", type=float, default=1.0,
+                   help="throughput+p95: chosen p95 <= this x the default knobs' p95 (default 1.0)")
+    p.add_argument("--p95-max-s", type=float, default=None,
+                   help="throughput+p95: absolute p95 latency bound in seconds (default none)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="wall-clock budget in seconds for the whole run (tuning + evaluation)")
     p.add_argument("--storage", default=None,
@@ -34,11 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--method", default="dart", choices=[m for m in METHODS if m != "none"])
     e.add_argument("--drafter", default=None, help="drafter dir for the method ('random' = untrained; default: shipped)")
     e.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables; default: shipped)")
-    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    e.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
+                   help="auto = bf16 where this machine runs it natively and fast, else fp32")
     e.add_argument("--device", default="cpu")
     e.add_argument("--max-seq-len", type=int, default=2048)
     w = p.add_argument_group("measurement")
-    w.add_argument("--max-new-tokens", type=int, default=64)
+    w.add_argument("--max-new-tokens", type=int, default=128,
+                   help="cap on each answer (answers end at EOS before it, as served; default 128)")
+    w.add_argument("--ignore-eos", action="store_true",
+                   help="fixed-length answers (the old objective; for comparison only)")
     w.add_argument("--chat", action="store_true", help="apply the chat template to prompts")
     w.add_argument("--num-prompts", type=int, default=64, help="prompts sampled from the file (default 64)")
     w.add_argument("--eval-fraction", type=float, default=0.25, help="share held out for evaluation (default 0.25)")
@@ -51,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--check-dtype", default="fp32",
                    help="dtype of the exactness check ('same' = the measuring engine's dtype)")
     w.add_argument("--eval-repeats", type=int, default=3, help="held-out runs per config (median)")
+    w.add_argument("--load-probe-tokens", type=int, default=16,
+                   help="tokens of the AR load probe around each trial (0 disables load detection)")
+    w.add_argument("--load-threshold", type=float, default=0.15,
+                   help="probe slowdown (share of the fastest) that marks a loaded machine: re-run, then flag")
     r = p.add_argument_group("resources")
     r.add_argument("--cpus-per-trial", type=float, default=None, help="default: all CPUs of the Ray cluster")
     r.add_argument("--gpus-per-trial", type=float, default=None, help="default: 1 if --device cuda*, else 0")
@@ -70,7 +92,9 @@ def settings_from_args(a: argparse.Namespace):
         prompts=a.prompts, workload=a.workload, out=a.out, batch_sizes=parse_int_list(a.batch_sizes),
         trials=a.trials, time_budget_s=a.time_budget, storage=a.storage, results_dir=a.results_dir,
         model=a.model, method=a.method, drafter=a.drafter, ngram=a.ngram, dtype=a.dtype, device=a.device,
-        max_seq_len=a.max_seq_len, max_new_tokens=a.max_new_tokens, chat=a.chat, num_prompts=a.num_prompts,
+        max_seq_len=a.max_seq_len, max_new_tokens=a.max_new_tokens, ignore_eos=a.ignore_eos, chat=a.chat,
+        num_prompts=a.num_prompts, objective=a.objective, p95_max_ratio=a.p95_max_ratio, p95_max_s=a.p95_max_s,
+        warm_start=a.warm_start, load_probe_tokens=a.load_probe_tokens, load_threshold=a.load_threshold,
         eval_fraction=a.eval_fraction, prompts_per_trial=a.prompts_per_trial,
         reports_per_trial=a.reports_per_trial, check_prompts=a.check_prompts, check_tokens=a.check_tokens,
         check_dtype=None if a.check_dtype == "same" else a.check_dtype, cpus_per_trial=a.cpus_per_trial,

@@ -11,10 +11,17 @@ record of each run):
 * A trial left RUNNING in the database was interrupted (driver killed, time budget hit,
   exception): on the next run it is marked FAIL with ``interrupted=True`` (not counted) and its
   parameters are enqueued again once, so the point it was evaluating is not lost.
-* The default point is enqueued into a fresh study, so it is always the first trial (unless
-  points were enqueued by hand before).
+* The default point is enqueued into a fresh study, so it is always evaluated (unless points were
+  enqueued by hand before). A warm start (``dart-ray tune --for-this-machine``) enqueues a
+  profile's knobs *before* it, so they are the first trials; a resumed study is never re-seeded.
+* A study is single-objective (maximise tokens/s) or, for ``--objective throughput+p95``,
+  two-objective (maximise tokens/s, minimise p95 request latency); the objective is part of the
+  study name (``<workload>.bs<B>.p95``) so the two kinds never share a study.
+* Trials measured on a loaded machine (``load_flag``, see ``tuning.objective``) stay in the study
+  but are not chosen as the best or as a Pareto point (unless every complete trial is flagged:
+  then the runner evaluates the best of them and says so in the profile's meta).
 * The study records a fingerprint of the setup (model, method, drafter, dtype, prompts,
-  lengths, search space); resuming with a different setup is refused instead of silently mixing
+  lengths, objective, search space, and the machine's hardware fingerprint); resuming with a different setup is refused instead of silently mixing
   incomparable throughputs.
 * The TPE sampler is seeded with ``seed + number of trials already in the study``: a resumed run
   does not replay the random start-up points of the interrupted one.
@@ -27,13 +34,14 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
-from tuning.objective import METRIC
+from tuning.objective import METRIC, P95_METRIC
 from tuning.space import SearchSpace
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -58,8 +66,36 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
     return optuna.storages.RDBStorage(url, **kwargs)
 
 
-def study_name(workload: str, batch_size: int) -> str:
-    return f"{workload}.bs{batch_size}"
+OBJECTIVES = ("throughput", "throughput+p95")
+"""``throughput``: maximise tokens/s. ``throughput+p95``: also minimise p95 request latency."""
+
+RECORDED = ("tau", "prompts_done", "tokens", "seconds", "worker_pid", "engine_builds", P95_METRIC,
+            "mean_new_tokens", "eos_finished", "load_drift", "load_flag", "reruns", "ar_probe_tps",
+            "ar_reference_tps")
+"""Result keys copied into each Optuna trial's user attributes."""
+
+
+def study_name(workload: str, batch_size: int, objective: str = "throughput") -> str:
+    return f"{workload}.bs{batch_size}" + ("" if objective == "throughput" else ".p95")
+
+
+def directions(objective: str) -> list[str]:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    return ["maximize"] if objective == "throughput" else ["maximize", "minimize"]
+
+
+def throughput(t: optuna.trial.FrozenTrial) -> float | None:
+    """A finished trial's tokens/s (its first objective value)."""
+    return t.values[0] if t.values else None
+
+
+def p95_latency(t: optuna.trial.FrozenTrial) -> float | None:
+    """A trial's p95 request latency (second objective, else the recorded attribute)."""
+    if t.values and len(t.values) > 1:
+        return t.values[1]
+    v = t.user_attrs.get(P95_METRIC)
+    return None if v is None else float(v)
 
 
 def is_interrupted(t: optuna.trial.FrozenTrial) -> bool:
@@ -73,9 +109,37 @@ def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
             or (t.state == TrialState.FAIL and not is_interrupted(t))]
 
 
-def best_complete(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
-    return max(done, key=lambda t: t.value) if done else None
+def complete_trials(study: optuna.Study, include_flagged: bool = False) -> list[optuna.trial.FrozenTrial]:
+    """COMPLETE trials with a value; without those measured under load unless ``include_flagged``."""
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if throughput(t) is not None and (include_flagged or not t.user_attrs.get("load_flag"))]
+
+
+def best_complete(study: optuna.Study, include_flagged: bool = False) -> optuna.trial.FrozenTrial | None:
+    """The highest-throughput complete trial (load-flagged ones excluded unless ``include_flagged``)."""
+    done = complete_trials(study, include_flagged)
+    return max(done, key=throughput) if done else None
+
+
+def pareto_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """Trials no other trial beats on both throughput (higher) and p95 latency (lower), by throughput."""
+    pts = [t for t in trials if throughput(t) is not None and p95_latency(t) is not None]
+
+    def dominated(a) -> bool:
+        return any(throughput(b) >= throughput(a) and p95_latency(b) <= p95_latency(a)
+                   and (throughput(b) > throughput(a) or p95_latency(b) < p95_latency(a)) for b in pts)
+
+    return sorted((t for t in pts if not dominated(t)), key=throughput, reverse=True)
+
+
+def choose_within_p95(study: optuna.Study, p95_bound_s: float | None,
+                      include_flagged: bool = False) -> optuna.trial.FrozenTrial | None:
+    """The highest-throughput Pareto point (unflagged unless ``include_flagged``) whose p95 latency
+    is <= ``p95_bound_s`` (None: no bound, i.e. the highest-throughput point); None when none qualifies."""
+    for t in pareto_front(complete_trials(study, include_flagged)):
+        if p95_bound_s is None or p95_latency(t) <= p95_bound_s:
+            return t
+    return None
 
 
 def default_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
@@ -91,13 +155,21 @@ class StudyStatus:
     finished: int
     remaining: int
     requeued: int
+    fresh: bool = False
+    """The study had no trials before this run (warm-start points, if any, were enqueued)."""
 
 
 def prepare_study(storage, name: str, fingerprint: dict, space: SearchSpace, target_trials: int,
-                  max_requeue: int = 1) -> StudyStatus:
-    """Create or load ``name``; fail interrupted trials (re-enqueueing their points); enqueue the
-    default point into a fresh study; return how many trials remain to reach ``target_trials``."""
-    study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
+                  max_requeue: int = 1, warm_start: Sequence[dict] = (),
+                  objective: str = "throughput") -> StudyStatus:
+    """Create or load ``name``; fail interrupted trials (re-enqueueing their points); into a fresh
+    study enqueue the ``warm_start`` points (clipped into the space) first, then the default point;
+    return how many trials remain to reach ``target_trials``."""
+    study = optuna.create_study(storage=storage, study_name=name, directions=directions(objective),
+                                load_if_exists=True)
+    if len(study.directions) != len(directions(objective)):
+        raise StudyMismatchError(f"study {name!r} in this storage has {len(study.directions)} objective(s), "
+                                 f"not {len(directions(objective))} ({objective})")
     old = study.user_attrs.get("fingerprint")
     if old is not None and old != fingerprint:
         diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
@@ -106,6 +178,9 @@ def prepare_study(storage, name: str, fingerprint: dict, space: SearchSpace, tar
             "use another --workload name or --storage, or the same settings as before")
     if old is None:
         study.set_user_attr("fingerprint", fingerprint)
+    fresh = not study.get_trials(deepcopy=False)
+    if fresh:
+        enqueue_warm_start(study, space, warm_start)
     st = study._storage
     requeued = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -115,7 +190,29 @@ def prepare_study(storage, name: str, fingerprint: dict, space: SearchSpace, tar
     if not any(t.user_attrs.get("is_default") for t in study.get_trials(deepcopy=False)):
         study.enqueue_trial(space.default_point(), user_attrs={"is_default": True})
     finished = len(finished_trials(study))
-    return StudyStatus(study, finished, max(0, target_trials - finished), requeued)
+    return StudyStatus(study, finished, max(0, target_trials - finished), requeued, fresh)
+
+
+def enqueue_warm_start(study: optuna.Study, space: SearchSpace, points: Sequence[dict]) -> int:
+    """Enqueue ``points`` (knob dicts, e.g. a profile's configs; clipped into the space, knobs the
+    space lacks dropped, duplicates skipped) as the next trials, marked ``warm_start``; the one equal
+    to the default point is marked ``is_default`` too. Returns how many were enqueued."""
+    default = space.default_point()
+    seen: list[dict] = []
+    for raw in points:
+        point = warm_point(space, raw)
+        if point in seen:
+            continue
+        seen.append(point)
+        attrs = {"warm_start": True, **({"is_default": True} if point == default else {})}
+        study.enqueue_trial(point, user_attrs=attrs)
+    return len(seen)
+
+
+def warm_point(space: SearchSpace, knobs: dict) -> dict:
+    """``knobs`` projected into ``space``: its dimensions only (missing ones from the space's base), clipped."""
+    base = space.default_point()
+    return {p.name: p.clip(knobs.get(p.name, base[p.name])) for p in space.params}
 
 
 def queued_params(t: optuna.trial.FrozenTrial) -> dict:
@@ -132,18 +229,25 @@ def requeue(study: optuna.Study, params: dict, user_attrs: dict, space: SearchSp
     if any(queued_params(t) == params for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))):
         return 0
     attrs = {"requeued": tries + 1}
-    if user_attrs.get("is_default"):
-        attrs["is_default"] = True
+    for k in ("is_default", "warm_start"):
+        if user_attrs.get(k):
+            attrs[k] = True
     study.enqueue_trial(params, user_attrs=attrs)
     return 1
 
 
-def make_sampler(seed: int | None, study: optuna.Study) -> optuna.samplers.BaseSampler:
+STARTUP_TRIALS = 8
+"""TPE's random start-up trials of a cold study (enqueued points count toward them)."""
+
+
+def make_sampler(seed: int | None, study: optuna.Study,
+                 n_startup_trials: int = STARTUP_TRIALS) -> optuna.samplers.BaseSampler:
+    """Multivariate TPE (multi-objective capable), seeded with ``seed + trials in the study``."""
     n = len(study.get_trials(deepcopy=False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.samplers.TPESampler(seed=None if seed is None else seed + n, multivariate=True,
-                                          n_startup_trials=8)
+                                          n_startup_trials=n_startup_trials)
 
 
 def _searcher_class():
@@ -159,8 +263,11 @@ def _searcher_class():
         """
 
         def __init__(self, *, space: SearchSpace, study: optuna.Study, sampler, stopped: set) -> None:
-            super().__init__(space=space.distributions(), metric=METRIC, mode="max", sampler=sampler,
+            multi = len(study.directions) > 1
+            super().__init__(space=space.distributions(), metric=[METRIC, P95_METRIC] if multi else METRIC,
+                             mode=["max", "min"] if multi else "max", sampler=sampler,
                              study_name=study.study_name, storage=study._storage)
+            self._multi = multi
             self._search_space = space
             self._stopped = stopped            # trial ids the scheduler stopped (shared with it)
             self._pending_fail: dict[str, object] = {}
@@ -181,8 +288,8 @@ def _searcher_class():
 
         def _record(self, trial_id: str, result: dict | None) -> None:
             ot = self._ot_trials[trial_id]
-            for k in ("tau", "prompts_done", "tokens", "seconds", "worker_pid", "engine_builds"):
-                if result and k in result:
+            for k in RECORDED:
+                if result and result.get(k) is not None:
                     ot.set_user_attr(k, result[k])
 
         def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
@@ -193,9 +300,13 @@ def _searcher_class():
                 self._pending_fail[trial_id] = ot   # told once the error text arrives (record_error)
                 return
             value = (result or {}).get(METRIC)
+            values = [value, (result or {}).get(P95_METRIC)] if self._multi else value
             self._record(trial_id, result)
-            if result and result.get("complete") and value is not None:
-                self._tell(trial_id, value, TrialState.COMPLETE)
+            if result and result.get("complete") and value is not None and \
+                    (not self._multi or values[1] is not None):
+                self._tell(trial_id, values, TrialState.COMPLETE)
+            elif value is not None and trial_id in self._stopped and self._multi:
+                self._tell(trial_id, None, TrialState.PRUNED)   # no intermediate values in multi-objective
             elif value is not None and trial_id in self._stopped:
                 # the result ASHA stopped on may not have passed through on_trial_result
                 with warnings.catch_warnings():

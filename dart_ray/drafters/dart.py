@@ -52,24 +52,24 @@ class DartDrafter(Drafter):
 
     # ---- state updates ----------------------------------------------------------------------
     @torch.inference_mode()
-    def _set_pending(self, row: int, taps: torch.Tensor, nxt: torch.Tensor) -> None:
-        """taps [P, nT*H], nxt [P]: append to the row's pending context (precomputed layer inputs)."""
-        h, resid = self.model.context_inputs(taps, self.embed(nxt))  # [P, 2H], [P, H]
-        prev = self.pending[row]
-        if prev is not None:
-            h, resid = torch.cat([prev[0], h]), torch.cat([prev[1], resid])
-        self.pending[row] = (h, resid)
+    def _append_pending(self, rows: list[int], lens: list[int], taps: torch.Tensor, nxt: torch.Tensor) -> None:
+        """taps [n, P, nT*H], nxt [n, P] (padded; row i has ``lens[i]`` valid positions): append to
+        each row's pending context, the layer inputs computed for all rows in one call."""
+        h, resid = self.model.context_inputs(taps, self.embed(nxt))       # [n, P, 2H], [n, P, H]
+        for i, (r, n) in enumerate(zip(rows, lens)):
+            prev = self.pending[r]
+            hi, ri = h[i, :n], resid[i, :n]
+            self.pending[r] = (hi, ri) if prev is None else (torch.cat([prev[0], hi]), torch.cat([prev[1], ri]))
 
     def prefill(self, rows, prompt_lens, taps, next_tokens) -> None:
-        for i, n in enumerate(prompt_lens):
-            r = rows.start + i
+        idx = list(range(rows.start, rows.start + len(prompt_lens)))
+        for r in idx:
             self.cache.reset_row(r)
             self.pending[r] = None
-            self._set_pending(r, taps[i, :n], next_tokens[i, :n])
+        self._append_pending(idx, prompt_lens, taps, next_tokens)
 
     def observe(self, view, num_committed, taps, next_tokens) -> None:
-        for b, n in enumerate(num_committed):
-            self._set_pending(b, taps[b, :n], next_tokens[b, :n])
+        self._append_pending(list(range(len(num_committed))), num_committed, taps, next_tokens)
 
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)

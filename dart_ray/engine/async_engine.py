@@ -18,6 +18,16 @@ Besides the main engine, the thread can own extra *lanes*: further engines (e.g.
 autoregressive one sharing the target weights) built on demand with :meth:`AsyncEngine.add_lane`.
 All lanes step on the same thread, one after another, so they never run concurrently.
 
+Admission: each lane has ``rows`` batch rows (its engine's ``max_batch``). A request is *waiting*
+only when its lane's rows are all taken by earlier requests (submitted but not yet handed to the
+engine counts as taking a row if one is free): ``queue_depth`` = sum over lanes of
+``max(0, in flight - rows)``. A new request that would wait while ``max_queue`` already wait raises
+:class:`QueueFullError` (``retry_after_s`` says when to retry). So a lane accepts ``rows`` running +
+``max_queue`` waiting, then refuses.
+
+Lanes are bounded too (``max_lanes`` engines, the main one included): beyond it
+:meth:`add_lane` raises :class:`LaneLimitError`, so no request pattern grows memory without bound.
+
 Failure model:
 * a bad prompt (``add_request`` raises) fails only that stream, with the original exception;
 * the waiting queue is bounded (``max_queue``): beyond it :class:`QueueFullError` is raised;
@@ -54,7 +64,15 @@ class AsyncEngineError(RuntimeError):
 
 
 class QueueFullError(AsyncEngineError):
-    """Too many requests are waiting for a batch row; retry later."""
+    """Too many requests are waiting for a batch row; retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class LaneLimitError(AsyncEngineError):
+    """``max_lanes`` engines exist already; no further lane is built."""
 
 
 class EngineDeadError(AsyncEngineError):
@@ -66,20 +84,60 @@ class EngineStepError(AsyncEngineError):
 
 
 @dataclass
+class RequestTiming:
+    """Timestamps (``time.perf_counter()``) of one request, filled in as it goes (for metrics)."""
+
+    submitted: float | None = None
+    """Handed to :meth:`AsyncEngine.stream` (accepted into the queue)."""
+    scheduled: float | None = None
+    """Start of the engine step that admitted it (prefill); ``scheduled - submitted`` = queue time."""
+    first_token: float | None = None
+    """End of that step (its first token was produced)."""
+
+
+@dataclass
 class _Stream:
     request_id: str
     lane: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     done: bool = False
+    timing: RequestTiming | None = None
+    started: bool = False
+    """Its first output was produced (set on the engine thread)."""
 
 
 @dataclass
 class _Lane:
     name: str
     engine: Engine
+    rows: int
+    """Batch rows of this lane's engine (its ``max_batch``)."""
     streams: dict[str, _Stream] = field(default_factory=dict)
     step_errors: int = 0
+    # admission counters (guarded by AsyncEngine._lock)
+    pending: int = 0
+    """Submitted, not yet handed to the engine."""
+    waiting: int = 0
+    """In the engine's waiting queue (published after every add and step)."""
+    running: int = 0
+    """Holding a batch row (published after every add and step)."""
+
+    @property
+    def in_flight(self) -> int:
+        return self.pending + self.waiting + self.running
+
+    @property
+    def queued(self) -> int:
+        """Requests that cannot get a row now: beyond the lane's rows."""
+        return max(0, self.in_flight - self.rows)
+
+
+def _rows_of(engine) -> int:
+    rows = getattr(engine, "max_batch", None)
+    if rows is None:
+        rows = engine.config.max_batch_size
+    return int(rows)
 
 
 # inbox commands
@@ -122,15 +180,24 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Engine | Callable[[], Engine], max_queue: int = 256,
-                 name: str = "dart-ray-engine", start_timeout_s: float | None = None) -> None:
+                 name: str = "dart-ray-engine", start_timeout_s: float | None = None,
+                 max_lanes: int | None = None, retry_after_s: float = 1.0,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        """``max_lanes``: engines this front may own, the main one included (None = unbounded).
+        ``retry_after_s``: what :class:`QueueFullError` tells callers. ``on_step(num_tokens)`` runs
+        on the engine thread after every step with the tokens it processed (prompt + generated)."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_lanes is not None and max_lanes < 1:
+            raise ValueError(f"max_lanes must be >= 1 or None, got {max_lanes}")
+        if retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s}")
         self.max_queue = max_queue
+        self.max_lanes = max_lanes
+        self.retry_after_s = retry_after_s
+        self._on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._pending_adds = 0          # adds put into the inbox, not yet handed to an engine
-        self._engine_waiting = 0        # requests inside engines, not yet given a row
-        self._num_running = 0
         self._closed = False
         self._fatal: BaseException | None = None
         self._lanes: dict[str, _Lane] = {}
@@ -156,13 +223,22 @@ class AsyncEngine:
 
     @property
     def queue_depth(self) -> int:
-        """Requests submitted but not yet decoding (inbox + engines' waiting queues)."""
-        return self._pending_adds + self._engine_waiting
+        """Requests waiting for a batch row: beyond their lane's rows (submitted requests that a
+        free row is waiting for do not count)."""
+        with self._lock:
+            return sum(l.queued for l in self._lanes.values())
 
     @property
     def num_running(self) -> int:
         """Requests holding a batch row (all lanes)."""
-        return self._num_running
+        with self._lock:
+            return sum(l.running for l in self._lanes.values())
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not finished (all lanes)."""
+        with self._lock:
+            return sum(l.in_flight for l in self._lanes.values())
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -183,15 +259,17 @@ class AsyncEngine:
 
     # ---- submission (event loop) ------------------------------------------------------------
     async def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     chat: bool = False, lane: str = MAIN_LANE) -> AsyncIterator[RequestOutput]:
+                     chat: bool = False, lane: str = MAIN_LANE,
+                     timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its outputs (deltas) until it finishes.
 
         Raises the engine's own exception for a bad prompt (``ValueError``, ``TypeError``,
         ``PromptTooLongError``), :class:`QueueFullError` when too many requests wait,
         :class:`EngineStepError` if a step failed mid-request. Closing the iterator early or
-        cancelling the consuming task aborts the request in the engine.
+        cancelling the consuming task aborts the request in the engine. ``timing``, if given, is
+        filled in as the request is queued, scheduled and produces its first token.
         """
-        st = self._submit(prompt, params or SamplingParams(), request_id, chat, lane)
+        st = self._submit(prompt, params or SamplingParams(), request_id, chat, lane, timing)
         try:
             while True:
                 item = await st.queue.get()
@@ -211,20 +289,26 @@ class AsyncEngine:
                 if self._stream_index.get(st.request_id) is st:
                     del self._stream_index[st.request_id]
 
-    def _submit(self, prompt, params: SamplingParams, request_id: str | None, chat: bool, lane: str) -> _Stream:
+    def _submit(self, prompt, params: SamplingParams, request_id: str | None, chat: bool, lane: str,
+                timing: RequestTiming | None = None) -> _Stream:
         self.check_health()
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         with self._lock:
-            if lane not in self._lanes:
+            ln = self._lanes.get(lane)
+            if ln is None:
                 raise ValueError(f"unknown engine lane {lane!r} (have {sorted(self._lanes)})")
             if rid in self._stream_index:
                 raise ValueError(f"duplicate request id {rid!r}")
-            if self._pending_adds + self._engine_waiting >= self.max_queue:
-                raise QueueFullError(f"{self.max_queue} requests are already waiting; retry later")
-            st = _Stream(rid, lane, loop, asyncio.Queue())
+            would_wait = ln.in_flight >= ln.rows
+            if would_wait and sum(l.queued for l in self._lanes.values()) >= self.max_queue:
+                raise QueueFullError(f"all {ln.rows} batch rows are busy and {self.max_queue} requests are "
+                                     f"already waiting; retry in {self.retry_after_s:g} s", self.retry_after_s)
+            st = _Stream(rid, lane, loop, asyncio.Queue(), timing=timing)
             self._stream_index[rid] = st
-            self._pending_adds += 1
+            ln.pending += 1
+        if timing is not None:
+            timing.submitted = time.perf_counter()
         self._inbox.put(_Add(st, prompt, params, chat))
         return st
 
@@ -255,17 +339,27 @@ class AsyncEngine:
         return fut
 
     async def encode(self, prompt, chat: bool = False) -> list[int]:
-        """Tokenise on the engine thread (the tokenizer is not shared across threads)."""
+        """Tokenise on the engine thread (blocks stepping while it runs; servers tokenise elsewhere
+        and pass token ids, see ``deployments.openai_app``)."""
         return await self.call(lambda e: e.encode_prompt(prompt, chat))
 
     async def add_lane(self, name: str, factory: Callable[[Engine], Engine]) -> None:
-        """Build another engine on the engine thread (``factory(main_engine)``) unless ``name`` exists."""
+        """Build another engine on the engine thread (``factory(main_engine)``) unless ``name`` exists.
+
+        Raises :class:`LaneLimitError` when ``max_lanes`` engines exist already (checked here and
+        again on the engine thread, so concurrent calls cannot overshoot)."""
         self.check_health()
         if name in self._lanes:
             return
+        self._check_lane_limit(name)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_AddLane(name, factory, fut))
         await asyncio.wrap_future(fut)
+
+    def _check_lane_limit(self, name: str) -> None:
+        if self.max_lanes is not None and name not in self._lanes and len(self._lanes) >= self.max_lanes:
+            raise LaneLimitError(f"this engine serves at most {self.max_lanes} lanes "
+                                 f"(have {sorted(self._lanes)}); {name!r} is not built")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the thread; requests still in flight fail with :class:`EngineDeadError`."""
@@ -281,7 +375,7 @@ class AsyncEngine:
         try:
             if not isinstance(engine, Engine) and callable(engine):
                 engine = engine()
-            self._lanes[MAIN_LANE] = _Lane(MAIN_LANE, engine)
+            self._lanes[MAIN_LANE] = _Lane(MAIN_LANE, engine, _rows_of(engine))
         except BaseException as e:  # noqa: BLE001 - reported to the constructor
             self._fatal = e
             self._ready.set_exception(e)
@@ -318,17 +412,14 @@ class AsyncEngine:
     def _handle(self, c) -> None:
         if isinstance(c, _Add):
             st = c.stream
-            with self._lock:
-                self._pending_adds -= 1
-            if st.done:          # consumer went away before the add was processed
-                return
-            try:
-                lane = self._lanes[st.lane]
-                lane.engine.add_request(c.prompt, c.params, request_id=st.request_id, chat=c.chat)
-                lane.streams[st.request_id] = st
-            except Exception as e:  # noqa: BLE001 - the caller gets the original exception
-                self._deliver(st, e)
-            self._publish()
+            lane = self._lanes[st.lane]
+            if not st.done:      # else: the consumer went away before the add was processed
+                try:
+                    lane.engine.add_request(c.prompt, c.params, request_id=st.request_id, chat=c.chat)
+                    lane.streams[st.request_id] = st
+                except Exception as e:  # noqa: BLE001 - the caller gets the original exception
+                    self._deliver(st, e)
+            self._publish(handed=lane)   # pending -> engine counters in one step (no gap)
         elif isinstance(c, _Abort):
             lane = self._lanes.get(c.lane)
             if lane is not None and lane.streams.pop(c.request_id, None) is not None:
@@ -348,12 +439,16 @@ class AsyncEngine:
         elif isinstance(c, _AddLane):
             try:
                 if c.name not in self._lanes:
-                    self._lanes[c.name] = _Lane(c.name, c.factory(self._lanes[MAIN_LANE].engine))
+                    self._check_lane_limit(c.name)
+                    engine = c.factory(self._lanes[MAIN_LANE].engine)
+                    with self._lock:
+                        self._lanes[c.name] = _Lane(c.name, engine, _rows_of(engine))
                 c.future.set_result(None)
             except BaseException as e:  # noqa: BLE001
                 c.future.set_exception(e)
 
     def _step(self, lane: _Lane) -> None:
+        t_start = time.perf_counter()
         try:
             outputs = lane.engine.step()
         except Exception as e:
@@ -373,7 +468,22 @@ class AsyncEngine:
             self._publish()
             return
         self.last_step_time = time.monotonic()
+        t_end = time.perf_counter()
         self._publish()                      # counters are current before anyone sees the outputs
+        num_tokens = 0
+        for o in outputs:                    # first outputs: admitted (prefilled) in this step
+            num_tokens += len(o.new_token_ids)
+            st = lane.streams.get(o.request_id)
+            if st is not None and not st.started:
+                st.started = True
+                num_tokens += o.num_prompt_tokens
+                if st.timing is not None:
+                    st.timing.scheduled, st.timing.first_token = t_start, t_end
+        if self._on_step is not None:
+            try:
+                self._on_step(num_tokens)
+            except Exception:
+                logger.exception("on_step callback failed")
         for o in outputs:
             st = lane.streams.get(o.request_id)
             if st is None:
@@ -393,12 +503,15 @@ class AsyncEngine:
         except RuntimeError:  # loop closed
             return False
 
-    def _publish(self) -> None:
-        waiting = running = 0
-        for lane in self._lanes.values():
-            waiting += len(lane.engine.waiting)
-            running += lane.engine.num_running
-        self._engine_waiting, self._num_running = waiting, running
+    def _publish(self, handed: _Lane | None = None) -> None:
+        """Copy the engines' waiting/running counts into the lanes (``handed``: one pending add of
+        that lane has just been handed to its engine, or failed)."""
+        with self._lock:
+            if handed is not None:
+                handed.pending -= 1
+            for lane in self._lanes.values():
+                lane.waiting = len(lane.engine.waiting)
+                lane.running = lane.engine.num_running
 
     def _fail_all(self, err: BaseException) -> None:
         for lane in self._lanes.values():
@@ -416,5 +529,5 @@ class AsyncEngine:
             elif isinstance(c, (_Call, _AddLane)) and not c.future.done():
                 c.future.set_exception(err)
         with self._lock:
-            self._pending_adds = 0
-        self._engine_waiting = self._num_running = 0
+            for lane in self._lanes.values():
+                lane.pending = lane.waiting = lane.running = 0

@@ -23,8 +23,10 @@ moving averages, so they follow a workload that changes.
 
 **Exploration.** Sizes above the chosen one are only learned by trying them: every
 ``explore_every`` steps the controller verifies the next ladder size up (one rung, so a probe costs
-little even where big trees are dear). The first steps (``warmup_steps``) use the largest tree whose
-verify costs at most ``warmup_cost_ratio`` plain steps, to learn acceptance at every smaller size.
+little even where big trees are dear); a probe that does not change the choice doubles the interval
+(up to ``max_explore_every``), one that does resets it. The first steps (``warmup_steps``) use the
+largest tree whose verify costs at most ``warmup_cost_ratio`` plain steps, to learn acceptance at
+every smaller size.
 
 Drafting, tree search and the per-step overhead (acceptance, commit, emission) are measured online
 per batch size; the verify cost comes from the measured cost model, refined by every step.
@@ -49,17 +51,25 @@ class ControllerConfig:
     timing_alpha: float = 0.1
     """Weight of one step in the drafting/overhead time moving averages."""
     explore_every: int = 16
-    """Every this many decode steps, verify one ladder rung above the current choice."""
+    """Verify one ladder rung above the current choice after this many decode steps; the interval
+    doubles after every probe that did not change the choice (up to ``max_explore_every``) and
+    starts again from here when one did."""
+    max_explore_every: int = 512
+    """Longest interval between probes (a workload that never rewards speculation pays ~nothing)."""
     warmup_steps: int = 4
     """Decode steps at the start (and after a knob change) that verify the warm-up tree."""
-    warmup_cost_ratio: float = 4.0
+    warmup_cost_ratio: float = 2.0
     """The warm-up tree is the largest whose verify costs at most this many plain decode steps."""
+    min_gain: float = 0.05
+    """Speculate only when the best tree's expected rate beats a plain step's by this fraction: the
+    estimates are noisy, and a wrong "speculate" costs more than a missed small gain."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0 or not 0.0 < self.timing_alpha <= 1.0:
             raise ValueError("alpha and timing_alpha must be in (0, 1]")
-        if self.explore_every < 1 or self.warmup_steps < 0 or self.warmup_cost_ratio < 1.0:
-            raise ValueError("explore_every >= 1, warmup_steps >= 0 and warmup_cost_ratio >= 1 required")
+        if self.explore_every < 1 or self.max_explore_every < self.explore_every or self.warmup_steps < 0 or self.warmup_cost_ratio < 1.0 or self.min_gain < 0:
+            raise ValueError("explore_every >= 1, warmup_steps >= 0, warmup_cost_ratio >= 1 and min_gain >= 0 "
+                             "required")
 
 
 def ladder_upto(max_nodes: int) -> list[int]:
@@ -95,11 +105,15 @@ class SpeculationController:
     """Decode steps planned since the last reset."""
     last_choice: int = 0
     """The size chosen at the last step (reported in stats)."""
+    _interval: int = 0
+    _next_probe: int = 0
+    _probed_from: int | None = None
 
     def reset_acceptance(self) -> None:
         """Forget acceptance (the decoding knobs changed, so the trees did too) and warm up again."""
         self.acc.clear()
         self.steps = 0
+        self._interval = 0
 
     # ---- the decision ------------------------------------------------------------------------------
     def expected_accepted(self, n: int) -> float:
@@ -123,7 +137,10 @@ class SpeculationController:
 
     def best(self, B: int, max_nodes: int) -> int:
         sizes = ladder_upto(max_nodes)
-        return max(sizes, key=lambda n: (self.rate(B, n), -n))
+        n = max(sizes, key=lambda n: (self.rate(B, n), -n))
+        if n and self.rate(B, n) < (1.0 + self.config.min_gain) * self.rate(B, 0):
+            return 0
+        return n
 
     def plan(self, B: int, max_nodes: int) -> int:
         """Draft nodes to verify this step for ``B`` rows (0 = plain decoding, skip the drafter)."""
@@ -134,9 +151,18 @@ class SpeculationController:
             n = self._warmup_size(B, max_nodes)
         else:
             n = self.best(B, max_nodes)
-            if self.steps % self.config.explore_every == 0 and n < max_nodes:
+            if self._probed_from is not None and n != self._probed_from:
+                self._interval = self.config.explore_every          # the last probe paid: probe often
+                self._probed_from = None
+            if self._interval == 0:
+                self._interval = self.config.explore_every
+                self._next_probe = self.steps + self._interval
+            if self.steps >= self._next_probe and n < max_nodes:
+                self._probed_from = n
                 sizes = ladder_upto(max_nodes)
                 n = sizes[sizes.index(n) + 1]
+                self._interval = min(2 * self._interval, self.config.max_explore_every)
+                self._next_probe = self.steps + self._interval
         self.last_choice = n
         return n
 

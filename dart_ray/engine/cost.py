@@ -6,7 +6,8 @@ forward is ~2x a 1-token one; on an AVX2-only EPYC in bf16 it is ~25x. So the en
 
 :class:`CostModel` holds seconds per verify forward on a grid of batch sizes ``B`` x new tokens per
 row ``T`` (``T`` = tree nodes + root), interpolated piecewise-linearly in between and extrapolated
-linearly beyond (past the grid a forward is compute-bound: linear in tokens). It is
+pessimistically beyond (proportional to tokens: past the grid a forward is compute-bound), and
+monotone (measurement noise never makes a bigger forward look cheaper). It is
 
 * **measured once** at engine start-up (:func:`measure_verify_costs`): one forward per grid cell,
   best of two, cells above :data:`MAX_MEASURED_TOKENS` tokens left to extrapolation, bounded to a
@@ -24,6 +25,7 @@ its knobs, and cost nothing to observe).
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -50,17 +52,17 @@ def batch_grid(max_batch: int) -> list[int]:
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys); linear extrapolation from the last two points beyond."""
-    if len(xs) == 1:
-        return ys[0] * max(x, 1) / xs[0] if x > xs[0] else ys[0]
+    """Monotone piecewise-linear through (xs, ys) (a running maximum: a bigger forward never costs
+    less; measurement noise must not say otherwise); beyond the last point, linear through the
+    origin (a forward that large is compute-bound), a deliberately pessimistic extrapolation."""
+    ys = list(itertools.accumulate(ys, max))
     if x <= xs[0]:
         return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] * x / xs[-1]
     i = bisect.bisect_left(xs, x)
-    if i >= len(xs):
-        i = len(xs) - 1
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    slope = max((y1 - y0) / (x1 - x0), 0.0)
-    return y0 + slope * (x - x0)
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass

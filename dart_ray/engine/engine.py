@@ -133,7 +133,7 @@ class Engine:
         fingerprint, else measured now (a few seconds for SmolLM2 on 2 cores)."""
         cap = self.cache.max_seq_len
         ctx = min(128, cap // 4)
-        tokens = [t for t in TOKEN_GRID if t <= self.scratch + 1]
+        tokens = [t for t in TOKEN_GRID if t <= self.scratch + 1 and ctx + t <= cap]
         bigger = [t for t in TOKEN_GRID if t > self.scratch + 1 and ctx + t <= cap]
         tokens += bigger[:1]                                   # one point beyond, for interpolation
         batches = batch_grid(self.max_batch)
@@ -154,14 +154,14 @@ class Engine:
         self.model.head(out.hidden[:, : (T + 1) // 2])
 
     def _maybe_pack(self, pack: bool | None) -> None:
-        from dart_ray.models.packing import PackedLinear, pack_linears, packing_supported
+        from dart_ray.models.packing import PackedLinear, pack_linears, packing_available, packing_supported
 
-        supported = packing_supported(self.device, self.dtype) and isinstance(self.model, torch.nn.Module)
-        if pack and not supported:
-            raise ValueError(f"pack_weights=True needs a local (not TP-proxied) model on CPU in bf16 with "
-                             f"oneDNN bf16 support (device {self.device}, dtype {self.dtype})")
-        if pack is None:
-            pack = supported
+        local = isinstance(self.model, torch.nn.Module)
+        if pack and not (local and packing_available(self.device, self.dtype)):
+            raise ValueError(f"pack_weights=True needs a local (not TP-proxied) model on CPU in fp32, or in "
+                             f"bf16 with oneDNN bf16 support (device {self.device}, dtype {self.dtype})")
+        if pack is None:                 # auto: where it is measured to help on this machine
+            pack = local and packing_supported(self.device, self.dtype)
         if not pack and isinstance(self.model, torch.nn.Module) and any(
                 isinstance(m, PackedLinear) for m in self.model.modules()):
             raise ValueError("pack_weights=False, but this target was already packed in place by another "
@@ -315,6 +315,9 @@ class Engine:
         view = BatchView(roots=roots, lengths=self.cache.lengths[:B], tokens=self.tokens, decoding=decoding,
                          params=[r.params for r in reqs], generators=[r.generator for r in reqs])
         if n > 0:
+            if n < max_nodes:            # a small tree: the first n nodes of a budget-n search
+                view.decoding = decoding.replace(tree_budget=min(decoding.tree_budget, n),
+                                                 chunk_len=min(decoding.chunk_len, n))
             tree = self.drafter.propose(view).truncate(n)                       # draft + tree search
         else:
             tree = empty_tree(roots)                                             # a plain AR step
@@ -338,12 +341,12 @@ class Engine:
         m.steps += 1                                                             # emit
         bonus = acc.bonus.tolist()
         n_draft = tree.valid.sum(1).sub(1).tolist()
-        depth = int(tree.depths.max())
+        depth = tree.depths.masked_fill(~tree.valid, 0).amax(1).tolist()        # [B] speculated positions
         finished = []
         for b, r in enumerate(reqs):
             k = num_committed[b] - 1
             r.stats.record(n_draft[b], k)
-            m.record_row(n_draft[b], k, depth if n_draft[b] else 0)
+            m.record_row(n_draft[b], k, depth[b])
             r.root = bonus[b]
             if self._emit(r, path_tokens[b][1:k + 1] + [bonus[b]], outputs):
                 finished.append(r)

@@ -5,8 +5,10 @@ the decode step is a chain of memory-bound GEMVs, and that reorder costs about a
 step. oneDNN can reorder once, ahead of time, into its blocked layout (the same thing inductor
 does under ``freezing``). Measured on this project's 2-core Xeon (AMX/avx512_bf16) for the
 SmolLM2-135M shapes: the 121 linears of one decode step take 18.9 ms plain and 12.1 ms packed at
-M=1, and 28 ms vs 23 ms at M=61 (a verify tree). fp32 is *slower* packed at M=1, so packing is
-only applied to bf16.
+M=1, and 28 ms vs 23 ms at M=61 (a verify tree). In fp32 the answer depends on the machine: slower
+packed at M=1 on that Xeon, much faster on an AVX2-only EPYC, where MKL's dense small-M GEMMs are
+poor (SmolLM2's LM head at 2..9 rows: 22-30 ms dense vs 5-8 ms packed). So fp32 is packed where
+a short measurement says it helps (:func:`fp32_packing_helps`).
 
 Like tensor parallelism, this is a transform applied to a built model (``pack_linears(model)``),
 never a change to the model code. Packed modules are inference-only (no autograd); their dense
@@ -14,6 +16,8 @@ weight stays readable through ``.weight`` (a reorder back, for the rare construc
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -24,16 +28,67 @@ hint 64 is within noise of hint 1 at M=1 and M=8 (12.4 vs 12.1 ms per step) and 
 M=61 (22.9 vs 26.3 ms) and M=256 (41.5 vs 46.9 ms), so one layout serves AR, trees and prefill."""
 
 
-def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """True where packing is both available and measured to help: CPU, bf16, oneDNN with bf16."""
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+def packing_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Can oneDNN prepack linears here: CPU, oneDNN, and fp32 or natively supported bf16."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if not torch.backends.mkldnn.is_available():
+    if dtype == torch.float32:
+        return True
+    if dtype != torch.bfloat16:
         return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """True where packing is available and helps: bf16 always (measured on AMX: 18.9 -> 12.1 ms per
+    step); fp32 where a short measurement on this machine says so (:func:`fp32_packing_helps`)."""
+    if not packing_available(device, dtype):
+        return False
+    return dtype == torch.bfloat16 or fp32_packing_helps()
+
+
+def _time(f, reps: int = 7) -> float:
+    for _ in range(2):
+        f()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_fp32_packing() -> dict[str, float]:
+    """Seconds of an MLP-sized fp32 linear (3072 x 576), dense and packed, at 1 row (a decode step)
+    and 9 rows (a small draft tree)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3072, 576, generator=g)
+    packed = PackedLinear(w, None)
+    out = {}
+    with torch.inference_mode():
+        for rows in (1, 9):
+            x = torch.randn(rows, 576, generator=g)
+            out[f"dense_{rows}"] = _time(lambda: torch.nn.functional.linear(x, w))
+            out[f"packed_{rows}"] = _time(lambda: packed(x))
+    return out
+
+
+def fp32_packing_helps() -> bool:
+    """Measured once per hardware fingerprint (cached under ``$DART_RAY_CACHE/hardware``): is the
+    packed fp32 linear faster than the dense one, summed over 1 and 9 rows? On an AVX2 EPYC it is
+    (SmolLM2's 3072 x 576: 0.24 -> 0.20 ms at 1 row, 0.78 -> 0.51 ms at 9; its LM head 10 -> 6 ms
+    at 1 row, 30 -> 8 ms at 9); on the AMX Xeon it was slower at 1 row."""
+    from dart_ray.hardware import Fingerprint, read_cached, write_cached
+
+    name = f"pack-fp32-{Fingerprint.current('cpu', 'fp32').key()}.json"
+    t = read_cached(name)
+    if not t or not all(k in t for k in ("dense_1", "dense_9", "packed_1", "packed_9")):
+        t = measure_fp32_packing()
+        write_cached(name, t)
+    return t["packed_1"] + t["packed_9"] < t["dense_1"] + t["dense_9"]
 
 
 class PackedLinear(nn.Module):
@@ -71,13 +126,14 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
-    """Replace every plain bf16 CPU ``nn.Linear`` under ``module`` (in place) by a :class:`PackedLinear`.
+    """Replace every plain bf16/fp32 CPU ``nn.Linear`` under ``module`` (in place) by a :class:`PackedLinear`.
 
     Idempotent (already packed and custom linear subclasses such as the TP ones are left alone).
     Returns the number of modules replaced. The caller checks :func:`packing_supported` first.
     """
     linears = [(p, name, c) for p in list(module.modules()) for name, c in p.named_children()
-               if type(c) is nn.Linear and c.weight.dtype == torch.bfloat16 and c.weight.device.type == "cpu"]
+               if type(c) is nn.Linear and c.weight.dtype in (torch.bfloat16, torch.float32)
+               and c.weight.device.type == "cpu"]
     # weights also owned by a non-linear module (a tied LM head) stay referenced after packing
     shared = {id(t) for m in module.modules() if type(m) is not nn.Linear for t in m.parameters(recurse=False)}
     for parent, name, child in linears:
