@@ -350,3 +350,34 @@ def test_stop_string_usage_counts_text_plus_stop(tiny):
             n = len(out.token_ids)
             assert tok.decode(out.token_ids, skip_special_tokens=True).startswith(full.text[:cut] + stop)
             assert len(tok.decode(out.token_ids[:n - 1], skip_special_tokens=True)) < cut + len(stop)
+
+
+def test_controller_biases_unknowns_toward_plain_steps():
+    """Unknown plain-step overhead is taken as 0 (so plain decoding is tried and then measured), and
+    the drafting time of a step that followed plain steps (it includes the drafter's catch-up) does
+    not count as drafting cost."""
+    ctrl = SpeculationController(flat_cost(), ControllerConfig(alpha=1.0, timing_alpha=1.0))
+    ctrl.record(1, 4, [[1]], draft_s=0.002, verify_s=0.02, tokens_per_row=5, overhead_s=0.01)
+    assert ctrl.step_seconds(1, 0) == pytest.approx(0.02)                 # no AR overhead known: 0
+    assert ctrl.step_seconds(1, 4) == pytest.approx(0.002 + 0.02 + 0.01)
+    ctrl.record(1, 0, [], draft_s=0.0, verify_s=0.02, tokens_per_row=1, overhead_s=0.003)
+    ctrl.record(1, 4, [[1]], draft_s=0.5, verify_s=0.02, tokens_per_row=5, overhead_s=0.01)  # catch-up
+    assert ctrl.draft_s[1] == pytest.approx(0.002)
+    ctrl.record(1, 4, [[1]], draft_s=0.003, verify_s=0.02, tokens_per_row=5, overhead_s=0.01)
+    assert ctrl.draft_s[1] == pytest.approx(0.003)
+
+
+def test_stop_trim_keeps_a_split_utf8_character(tiny):
+    """A stop string whose last character spans several byte-level tokens keeps all of them."""
+    from types import SimpleNamespace
+
+    eng = make_engine(tiny, "none", None, batch=1)
+    tok = tiny.tokenizer
+    stop = "\U0001F642"                                                   # an emoji: several byte tokens
+    assert len(tok.encode(stop, add_special_tokens=False)) > 1
+    ids = tok.encode("ok " + stop + " then more words", add_special_tokens=False)
+    text = tok.decode(ids, skip_special_tokens=True)
+    end = text.index(stop) + len(stop)
+    keep = eng._tokens_through(SimpleNamespace(output_ids=ids, detok=SimpleNamespace(skip=True)), len(ids), end)
+    assert stop in tok.decode(ids[:keep], skip_special_tokens=True)
+    assert stop not in tok.decode(ids[:keep - 1], skip_special_tokens=True)

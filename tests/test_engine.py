@@ -317,7 +317,7 @@ def test_dart_with_lookup_paths_equals_ar_and_accepts_more(tiny, ar_out, batch):
     base = DecodingConfig(tree_budget=8, top_k=4, beam_width=3, lookup_paths=0)
     plain = make_engine(tiny, "dart", "random", batch=batch, decoding=base)
     merged = make_engine(tiny, "dart", "random", batch=batch,
-                         decoding=base.replace(lookup_paths=2, lookup_min_match=1))
+                         decoding=base.replace(lookup_paths=2, lookup_min_match=1, lookup_len=8))
     assert merged.drafter.max_tree_nodes(merged.decoding) == 8 + 2 * 8
     assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == ar_out
     assert [o.token_ids for o in merged.generate(PROMPTS, GREEDY)] == ar_out

@@ -157,11 +157,13 @@ def test_tiny_hand_worked_no_ngram():
     tree, scores = build_trees_with_scores(ROOT, TINY, cfg, context=CTX)
     check_tree(tree, scores, cfg)
     sA, sB, c1, c2, _ = _tiny_terms()
-    # depth 1: A(0), B(1); depth 2 by score: A1 = sA+c1, B1 = sB+c1, A2 = sA+c2, B2 = sB+c2
+    # priority order (score descending, parents first): A(0), A1 = sA+c1, B(1), B1 = sB+c1,
+    # A2 = sA+c2, B2 = sB+c2
+    assert sA > sA + c1 > sB > sB + c1 > sA + c2 > sB + c2
     assert tree.tokens.tolist() == [[3, 0, 1, 1, 1, 2, 2]]
-    assert tree.parents.tolist() == [[-1, 0, 0, 1, 2, 1, 2]]
-    assert tree.depths.tolist() == [[0, 1, 1, 2, 2, 2, 2]]
-    want = [0.0, sA, sB, sA + c1, sB + c1, sA + c2, sB + c2]
+    assert tree.parents.tolist() == [[-1, 0, 1, 0, 3, 1, 3]]
+    assert tree.depths.tolist() == [[0, 1, 2, 1, 2, 2, 2]]
+    want = [0.0, sA, sA + c1, sB, sB + c1, sA + c2, sB + c2]
     assert scores[0].tolist() == pytest.approx(want, abs=1e-5)
 
     # budget 3 keeps the 3 best: A, A1, B
@@ -169,8 +171,8 @@ def test_tiny_hand_worked_no_ngram():
     tree, scores = build_trees_with_scores(ROOT, TINY, small, context=CTX)
     check_tree(tree, scores, small)
     assert tree.tokens.tolist() == [[3, 0, 1, 1]]
-    assert tree.parents.tolist() == [[-1, 0, 0, 1]]
-    assert scores[0].tolist() == pytest.approx([0.0, sA, sB, sA + c1], abs=1e-5)
+    assert tree.parents.tolist() == [[-1, 0, 1, 0]]
+    assert scores[0].tolist() == pytest.approx([0.0, sA, sA + c1, sB], abs=1e-5)
 
 
 def test_tiny_hand_worked_with_ngram():

@@ -55,7 +55,8 @@ class DartDrafter(Drafter):
     def _append_pending(self, rows: list[int], lens: list[int], taps: torch.Tensor, nxt: torch.Tensor) -> None:
         """taps [n, P, nT*H], nxt [n, P] (padded; row i has ``lens[i]`` valid positions): append to
         each row's pending context, the layer inputs computed for all rows in one call."""
-        h, resid = self.model.context_inputs(taps, self.embed(nxt))       # [n, P, 2H], [n, P, H]
+        P = max(lens)
+        h, resid = self.model.context_inputs(taps[:, :P], self.embed(nxt[:, :P]))   # [n, P, 2H], [n, P, H]
         for i, (r, n) in enumerate(zip(rows, lens)):
             prev = self.pending[r]
             hi, ri = h[i, :n], resid[i, :n]

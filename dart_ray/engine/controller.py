@@ -108,6 +108,7 @@ class SpeculationController:
     _interval: int = 0
     _next_probe: int = 0
     _probed_from: int | None = None
+    _last_used: int = -1
 
     def reset_acceptance(self) -> None:
         """Forget acceptance (the decoding knobs changed, so the trees did too) and warm up again."""
@@ -151,8 +152,9 @@ class SpeculationController:
             n = self._warmup_size(B, max_nodes)
         else:
             n = self.best(B, max_nodes)
-            if self._probed_from is not None and n != self._probed_from:
-                self._interval = self.config.explore_every          # the last probe paid: probe often
+            if self._probed_from is not None:
+                if n != self._probed_from:
+                    self._interval = self.config.explore_every      # the last probe paid: probe often
                 self._probed_from = None
             if self._interval == 0:
                 self._interval = self.config.explore_every
@@ -180,9 +182,12 @@ class SpeculationController:
         a = self.config.timing_alpha
         key = (B, n_used > 0)
         self.overhead_s[key] = _ema(self.overhead_s.get(key), overhead_s, a)
+        caught_up = self._last_used == 0
+        self._last_used = n_used
         if n_used <= 0 or not accepted_paths:
             return
-        self.draft_s[B] = _ema(self.draft_s.get(B), draft_s, a)
+        if not caught_up:   # after plain steps the drafter also caught up on them: not a drafting cost
+            self.draft_s[B] = _ema(self.draft_s.get(B), draft_s, a)
         w = 1.0 - (1.0 - self.config.alpha) ** len(accepted_paths)     # a batch step weighs B row-steps
         for m in ladder_upto(n_used):
             if m == 0:
@@ -202,7 +207,9 @@ class SpeculationController:
         same = {b: s for (b, sp), s in self.overhead_s.items() if sp == spec}
         if same:
             return self._nearest(same, B, 0.0)
-        other = {b: s for (b, _), s in self.overhead_s.items()}
+        # a plain step's overhead not seen yet: 0, a lower bound (the bias is toward plain decoding,
+        # which then gets measured); a speculative step's: the plain one's
+        other = {b: s for (b, _), s in self.overhead_s.items()} if spec else {}
         return self._nearest(other, B, 0.0)
 
     def snapshot(self) -> dict:

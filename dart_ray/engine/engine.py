@@ -138,7 +138,12 @@ class Engine:
         tokens += bigger[:1]                                   # one point beyond, for interpolation
         batches = batch_grid(self.max_batch)
         fp = self.fingerprint.to_dict()
-        key = f"{self.fingerprint.key()}-b{batches[-1]}-t{tokens[-1]}"
+        from dart_ray.models.packing import PackedLinear
+
+        packed = isinstance(self.model, torch.nn.Module) and any(isinstance(m, PackedLinear)
+                                                                  for m in self.model.modules())
+        tp = getattr(getattr(self.model, "tp", None), "world_size", 1)
+        key = f"{self.fingerprint.key()}-b{batches[-1]}-t{tokens[-1]}-p{int(packed)}-tp{tp}-taps{len(self.drafter.taps)}"
         return load_or_measure(key, fp, lambda B, T: self._timing_forward(B, T, ctx), batches, tokens)
 
     def _timing_forward(self, B: int, T: int, ctx: int) -> None:
@@ -152,6 +157,8 @@ class Engine:
         out = self.model(tokens, positions, mask, self.cache, rows=slice(0, B), starts=starts,
                          taps=self.drafter.taps, return_logits=False)
         self.model.head(out.hidden[:, : (T + 1) // 2])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _maybe_pack(self, pack: bool | None) -> None:
         from dart_ray.models.packing import PackedLinear, pack_linears, packing_available, packing_supported
@@ -451,7 +458,7 @@ class Engine:
         before = len(r.output_ids) - n_new
         for j in range(1, n_new):
             text = self.tokenizer.decode(r.output_ids[:before + j], skip_special_tokens=r.detok.skip)
-            if len(text) >= end:
+            if len(text.rstrip("\ufffd")) >= end:     # a split UTF-8 character is not there yet
                 return j
         return n_new
 

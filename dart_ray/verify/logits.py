@@ -24,10 +24,12 @@ from dart_ray.tree.tree import TokenTree
 def internal_nodes(tree: TokenTree) -> torch.Tensor:
     """[B, T] bool: the root and every node that is the parent of a valid node."""
     B, T = tree.tokens.shape
-    has_child = torch.zeros(B, T, dtype=torch.bool, device=tree.tokens.device)
+    children = torch.zeros(B, T, dtype=torch.long, device=tree.tokens.device)
     if T > 1:
-        par = tree.parents[:, 1:].clamp(min=0)                               # [B, T-1]
-        has_child.scatter_(1, par, tree.valid[:, 1:])
+        valid = tree.valid[:, 1:]                                             # [B, T-1]
+        par = torch.where(valid, tree.parents[:, 1:].clamp(min=0), 0)        # [B, T-1] padding -> root
+        children.scatter_add_(1, par, valid.long())                          # duplicates add up
+    has_child = children > 0
     has_child[:, 0] = True
     return has_child
 
