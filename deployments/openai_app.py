@@ -260,7 +260,9 @@ def _replica_labels() -> tuple[str | None, str | None]:
 
 def _engine_info(e: Engine) -> dict:
     return {"model_id": e.target.model_id, "max_model_len": int(getattr(e, "max_model_len", e.max_seq_len)),
-            "method": e.config.method, "chunk_len": e.decoding.chunk_len, "tokenizer": e.tokenizer}
+            "method": e.config.method, "chunk_len": e.decoding.chunk_len, "tokenizer": e.tokenizer,
+            "dtype": e.config.dtype, "dtype_reason": e.dtype_choice.reason, "machine": e.fingerprint.summary(),
+            "adaptive": e.controller is not None}
 
 
 def _kv_usage(engines: dict) -> float:
@@ -364,6 +366,7 @@ class DartRayServer:
         self.aengine = AsyncEngine(build, max_queue=self.args.max_queue, max_lanes=self.args.max_lanes,
                                    retry_after_s=self.args.retry_after_s, on_step=self._observe_step)
         info = self.aengine.call_future(_engine_info).result()
+        self.engine_info = {k: v for k, v in info.items() if k != "tokenizer"}
         self.model_id, self.method, self.chunk_len = info["model_id"], info["method"], info["chunk_len"]
         self.max_model_len = info["max_model_len"]
         """Prompt + generated tokens a request can use (the engine keeps its tree scratch beyond)."""
@@ -566,7 +569,9 @@ class DartRayServer:
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dart-ray",
                 "root": self.model_id, "parent": None, "max_model_len": self.max_model_len,
-                "speculative_method": self.method}
+                "speculative_method": self.method, "dtype": self.engine_info["dtype"],
+                "dtype_reason": self.engine_info["dtype_reason"], "machine": self.engine_info["machine"],
+                "adaptive_speculation": self.engine_info["adaptive"]}
 
     @app.get("/metrics")
     async def metrics(self, request: Request):

@@ -130,6 +130,8 @@ def test_models_and_health(server, client):
     assert status == 200 and body["status"] == "ok"
     status, body = _http("GET", server["url"] + "/v1/models/" + MODEL_NAME)
     assert status == 200 and body["max_model_len"] == MAX_SEQ_LEN
+    # the dtype the replica resolved, why, and the machine it measured (issue 14)
+    assert body["dtype"] in ("fp32", "bf16", "fp16") and body["dtype_reason"] and body["machine"]
 
 
 def test_completion_matches_reference_and_stream(client, reference):

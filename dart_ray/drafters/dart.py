@@ -39,7 +39,10 @@ class DartDrafter(Drafter):
             self.head_weight = None
         self.ngram = ngram
         self.cache: KVCache | None = None
-        self.pending: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.pending: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = []
+        """Per row: chunks of (taps [n, nT*H], next tokens [n]) committed since the last drafter
+        forward. Kept raw -- a plain step costs a list append -- and turned into layer inputs in one
+        batched call when the drafter next runs (its catch-up after skipped steps)."""
 
     def allocate(self, max_batch: int, max_seq_len: int) -> None:
         c = self.cfg
@@ -51,16 +54,15 @@ class DartDrafter(Drafter):
         self.pending = [None] * max_batch
 
     # ---- state updates ----------------------------------------------------------------------
-    @torch.inference_mode()
     def _append_pending(self, rows: list[int], lens: list[int], taps: torch.Tensor, nxt: torch.Tensor) -> None:
         """taps [n, P, nT*H], nxt [n, P] (padded; row i has ``lens[i]`` valid positions): append to
-        each row's pending context, the layer inputs computed for all rows in one call."""
-        P = max(lens)
-        h, resid = self.model.context_inputs(taps[:, :P], self.embed(nxt[:, :P]))   # [n, P, 2H], [n, P, H]
+        each row's pending context (views; nothing is computed until the drafter runs)."""
         for i, (r, n) in enumerate(zip(rows, lens)):
-            prev = self.pending[r]
-            hi, ri = h[i, :n], resid[i, :n]
-            self.pending[r] = (hi, ri) if prev is None else (torch.cat([prev[0], hi]), torch.cat([prev[1], ri]))
+            chunk = (taps[i, :n], nxt[i, :n])
+            if self.pending[r] is None:
+                self.pending[r] = [chunk]
+            else:
+                self.pending[r].append(chunk)
 
     def prefill(self, rows, prompt_lens, taps, next_tokens) -> None:
         idx = list(range(rows.start, rows.start + len(prompt_lens)))
@@ -90,10 +92,13 @@ class DartDrafter(Drafter):
         pend = [self.pending[b] for b in range(B)]
         if any(p is None for p in pend):
             raise RuntimeError(f"{self.name} drafter has no pending context for a running row")
-        P_b = [p[0].shape[0] for p in pend]
+        taps = [torch.cat([c[0] for c in p]) if len(p) > 1 else p[0][0] for p in pend]
+        nxt = [torch.cat([c[1] for c in p]) if len(p) > 1 else p[0][1] for p in pend]
+        P_b = [t.shape[0] for t in nxt]
         P = max(P_b)
-        h_ctx = pad_sequence([p[0] for p in pend], batch_first=True)      # [B, P, 2H]
-        r_ctx = pad_sequence([p[1] for p in pend], batch_first=True)      # [B, P, H]
+        h_ctx, r_ctx = self.model.context_inputs(pad_sequence(taps, batch_first=True),      # [B, P, nT*H]
+                                                 self.embed(pad_sequence(nxt, batch_first=True)))
+        # h_ctx [B, P, 2H], r_ctx [B, P, H] (padding positions are masked out below)
         h_m, r_m = self.model.mask_inputs((B, M))                          # [B, M, 2H], [B, M, H]
         h = torch.cat([h_ctx, h_m], dim=1)                                 # [B, T, 2H]
         resid = torch.cat([r_ctx, r_m], dim=1)                             # [B, T, H]
