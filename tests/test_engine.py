@@ -317,8 +317,8 @@ def test_dart_with_lookup_paths_equals_ar_and_accepts_more(tiny, ar_out, batch):
     """DART's tree with prompt-lookup paths merged in stays exact; on the repetitive prompts the
     merged paths are accepted (an untrained drafter alone accepts almost nothing)."""
     base = DecodingConfig(tree_budget=8, top_k=4, beam_width=3, lookup_paths=0)
-    plain = make_engine(tiny, "dart", "random", batch=batch, decoding=base)
-    merged = make_engine(tiny, "dart", "random", batch=batch,
+    plain = make_engine(tiny, "dart", "random", batch=batch, decoding=base, adaptive=False)
+    merged = make_engine(tiny, "dart", "random", batch=batch, adaptive=False,
                          decoding=base.replace(lookup_paths=2, lookup_min_match=1, lookup_len=8))
     assert merged.drafter.max_tree_nodes(merged.decoding) == 8 + 2 * 8
     assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == ar_out
