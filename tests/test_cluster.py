@@ -228,7 +228,7 @@ def post(port: int, body: dict, timeout: float = 60.0, request_id: str | None = 
 class Stream(threading.Thread):
     """One long completion (SSE stream, or one JSON body); records how it ended (never raises)."""
 
-    def __init__(self, port: int, i: int, max_tokens: int = 600, stream: bool = True) -> None:
+    def __init__(self, port: int, i: int, max_tokens: int = 1000, stream: bool = True) -> None:
         super().__init__(daemon=True)
         self.port, self.i, self.max_tokens, self.stream = port, i, max_tokens, stream
         self.status = None
