@@ -128,8 +128,11 @@ class SpeculationController:
         return self.acc[max(below)] if below else 0.0
 
     def step_seconds(self, B: int, n: int) -> float:
-        draft = self.draft_s.get(B, self._nearest(self.draft_s, B, 0.0)) if n > 0 else 0.0
-        over = self.overhead_s.get((B, n > 0), self._nearest_over(B, n > 0))
+        draft = 0.0
+        if n > 0:
+            draft = self.draft_s[B] if B in self.draft_s else self._nearest(self.draft_s, B, 0.0)
+        key = (B, n > 0)
+        over = self.overhead_s[key] if key in self.overhead_s else self._nearest_over(B, n > 0)
         return draft + self.cost.verify_s(B, n + 1) + over
 
     def rate(self, B: int, n: int) -> float:

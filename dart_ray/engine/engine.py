@@ -138,12 +138,9 @@ class Engine:
         tokens += bigger[:1]                                   # one point beyond, for interpolation
         batches = batch_grid(self.max_batch)
         fp = self.fingerprint.to_dict()
-        from dart_ray.models.packing import PackedLinear
-
-        packed = isinstance(self.model, torch.nn.Module) and any(isinstance(m, PackedLinear)
-                                                                  for m in self.model.modules())
         tp = getattr(getattr(self.model, "tp", None), "world_size", 1)
-        key = f"{self.fingerprint.key()}-b{batches[-1]}-t{tokens[-1]}-p{int(packed)}-tp{tp}-taps{len(self.drafter.taps)}"
+        key = (f"{self.fingerprint.key()}-b{batches[-1]}-t{tokens[-1]}-p{int(self.packed)}-tp{tp}"
+               f"-taps{len(self.drafter.taps)}")
         return load_or_measure(key, fp, lambda B, T: self._timing_forward(B, T, ctx), batches, tokens)
 
     def _timing_forward(self, B: int, T: int, ctx: int) -> None:
@@ -176,6 +173,8 @@ class Engine:
         if pack:
             pack_linears(self.model)
             self.drafter.pack_weights()
+        self.packed = bool(pack)
+        """Whether the target's linears are oneDNN-prepacked (part of the cost model's cache key)."""
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.target.args.eos_token_ids)
