@@ -14,7 +14,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 gpu-check clean
 
 setup: $(STAMP)
 
@@ -46,13 +46,28 @@ artifacts: setup
 	# DART and the three baselines (EAGLE-style, Medusa, SpS) on the same batches: equal data and steps
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(RUNS)/sd-data --out $(RUNS)/drafters \
 	  --arch dart:8,eagle:6,medusa:4,sps:6 --epochs 1.3 --seqs-per-step 4 --max-len 320 --threads 2 --eval-every 350
-	# DART continues alone from the joint checkpoint: 4 epochs in all, stopped by a 45-minute budget
-	mkdir -p $(RUNS)/drafters-long && cp -rn $(RUNS)/drafters/dart/checkpoint $(RUNS)/drafters-long/
+	# DART continues alone from the joint run's checkpoint: a fresh warmup + cosine plan over 2.7 more epochs
+	# (4 in all), stopped by a 45-minute budget (rerunning continues it from $(RUNS)/drafters-long/checkpoint)
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(RUNS)/sd-data --out $(RUNS)/drafters-long --arch dart:8 \
-	  --epochs 4 --seqs-per-step 4 --max-len 320 --threads 2 --eval-every 400 --time-budget 2700
+	  --resume $(RUNS)/drafters/dart --lr-schedule fresh --epochs 2.7 --seqs-per-step 4 --max-len 320 --threads 2 \
+	  --eval-every 400 --time-budget 2700
 	$(BIN)/dart-ray ship --run $(RUNS)/drafters-long --data $(RUNS)/sd-data --command "make artifacts"
 	for a in eagle medusa sps; do \
 	  $(BIN)/dart-ray ship --run $(RUNS)/drafters/$$a --command "make artifacts" || exit 1; done
+
+# issue 17: the shipped DART drafter trained on, with chat requests the target wrote itself (all the kept
+# prompts as the chat half). Every step is resumable (rerun to continue): gen-prompts -> gen-data --prompts
+# -> train-drafter --resume <shipped> --lr-schedule fresh (weights and draft vocabulary kept; new optimizer,
+# warmup + cosine over 2 epochs; each invocation stops cleanly after 90 minutes) -> ship (drafter + N-gram).
+SHIPPED := dart_ray/artifacts/SmolLM2-135M-Instruct/drafter
+drafter-v2: setup
+	$(FAST_ENV) $(BIN)/dart-ray gen-prompts --out $(RUNS)/prompts-v2 --n 4000 --batch-size 16 --shard-size 128 --threads 2
+	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(RUNS)/sd-data-v2 --prompts $(RUNS)/prompts-v2 --n-chat 4000 \
+	  --n-code 1200 --max-new-tokens 128 --batch-size 16 --threads 2 --text-tokens 700000
+	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(RUNS)/sd-data-v2 --out $(RUNS)/drafter-v2 --arch dart:8 \
+	  --resume $(SHIPPED) --lr-schedule fresh --epochs 2 --seqs-per-step 4 --max-len 320 --threads 2 \
+	  --eval-every 400 --time-budget 5400
+	$(BIN)/dart-ray ship --run $(RUNS)/drafter-v2 --data $(RUNS)/sd-data-v2 --command "make drafter-v2"
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup
@@ -65,7 +80,7 @@ bench-chat: setup
 
 # issue 8: every method on HumanEval and the chat set, bs 1 and 4 (docs/BENCHMARKS.md, "Methods compared").
 KNOBS := dart_ray/bench/data/knobs
-COMPARE := --profile-for eagle=$(KNOBS)/eagle2-paper.yaml --profile-for sps=$(KNOBS)/sps-gamma4.yaml --threads 2
+COMPARE := --profile-for eagle=$(KNOBS)/eagle2-paper.yaml --profile-for sps=$(KNOBS)/sps-depth4.yaml --threads 2
 bench-compare: setup
 	$(FAST_ENV) $(BIN)/dart-ray bench --prompts humaneval --limit 12 --methods ar,ngram,sps,medusa,eagle,dart,hf,hf-pld \
 	  $(COMPARE) --out $(RUNS)/cmp-humaneval-bs1.json

@@ -18,9 +18,9 @@ import sys
 
 from batch.job import BatchJobConfig, run_batch_job
 from batch.store import CorruptPartError, OutputBusyError
-from dart_ray import SamplingParams
-from dart_ray.cli import engine_config_from_args
-from dart_ray.config import DTYPES, METHODS
+from batch.watchdog import PipelineStalled
+from dart_ray import EngineConfig, SamplingParams
+from dart_ray.config import add_engine_args
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,35 +43,30 @@ def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="row seed = seed + hash(id)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    e = p.add_argument_group("engine (as in `dart-ray generate`)")
-    e.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded SmolLM2)")
-    e.add_argument("--method", default="auto", choices=["auto", *METHODS, "ar"],
-                   help="auto = dart if a trained drafter is shipped for the model, else ngram")
-    e.add_argument("--drafter", default=None, help="DART drafter dir ('random' = untrained)")
-    e.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables)")
-    e.add_argument("--dtype", choices=DTYPES, default="auto")
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--threads", type=int, default=None,
-                   help="torch threads per actor (default: floor of --num-cpus-per-actor)")
-    e.add_argument("--max-batch-size", type=int, default=8,
-                   help="rows an engine decodes together (1: bf16 greedy outputs equal "
-                        "`dart-ray generate` bit for bit; fp32 equals them at any size)")
-    e.add_argument("--max-seq-len", type=int, default=2048)
+    e = add_engine_args(p, title="engine (as in `dart-ray generate`)", method="auto", help={
+        "num_threads": "torch threads per actor (default: floor of --num-cpus-per-actor)",
+        "max_batch_size": "rows an engine decodes together (default 8; 1: bf16 greedy outputs "
+                          "equal `dart-ray generate` bit for bit; fp32 equals them at any size)"})
     e.add_argument("--profile", default=None, help="decoding profile (name or YAML path)")
     r = p.add_argument_group("ray")
     r.add_argument("--concurrency", type=int, default=1, help="engine actors")
     r.add_argument("--batch-size", type=int, default=32, help="rows per actor call and per part")
     r.add_argument("--num-cpus-per-actor", type=float, default=None,
                    help="default: (cluster CPUs - 1) / concurrency")
-    r.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
+    r.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: start a local one)")
     r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray instance")
     r.add_argument("--ray-temp-dir", default=None)
+    r.add_argument("--stall-timeout", type=float, default=900.0,
+                   help="seconds without a committed batch before the pipeline is stopped and "
+                        "resumed from its committed parts (0 = never); set above the slowest batch")
+    r.add_argument("--max-resumes", type=int, default=2, help="automatic resumes after a stall")
     r.add_argument("--no-progress", action="store_true")
     return p
 
 
 def config_from_args(a: argparse.Namespace) -> BatchJobConfig:
-    engine = engine_config_from_args(a, max_batch_size=a.max_batch_size)
+    engine = EngineConfig.from_args(a)
     sampling = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                               top_p=a.top_p, top_k=a.top_k, ignore_eos=a.ignore_eos,
                               stop=tuple(a.stop or ()))
@@ -79,7 +74,8 @@ def config_from_args(a: argparse.Namespace) -> BatchJobConfig:
                           id_column=a.id_column, chat=a.chat, engine=engine, sampling=sampling,
                           seed=a.seed, profile=a.profile, concurrency=a.concurrency,
                           batch_size=a.batch_size, num_cpus_per_actor=a.num_cpus_per_actor,
-                          force=a.force, progress=not a.no_progress)
+                          force=a.force, progress=not a.no_progress,
+                          stall_timeout_s=a.stall_timeout or None, max_resumes=a.max_resumes)
 
 
 def ray_init_kwargs(a: argparse.Namespace) -> dict:
@@ -105,7 +101,8 @@ def batch_cli(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     try:
         summary = run_batch_job(cfg, ray_init=ray_init_kwargs(a))
-    except (ValueError, KeyError, FileNotFoundError, OutputBusyError, CorruptPartError) as e:
+    except (ValueError, KeyError, FileNotFoundError, OutputBusyError, CorruptPartError,
+            PipelineStalled) as e:
         print(f"dart-ray batch: error: {e}", file=sys.stderr)
         return 2
     finally:

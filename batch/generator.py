@@ -69,16 +69,8 @@ OUTPUT_COLUMNS: tuple[str, ...] = tuple(OUTPUT_SCHEMA.names)
 
 
 def engine_config_from_dict(d: dict | EngineConfig) -> EngineConfig:
-    """EngineConfig from its fields as a dict (``decoding`` may itself be a dict)."""
-    if isinstance(d, EngineConfig):
-        return d
-    d = dict(d)
-    if isinstance(d.get("decoding"), dict):
-        d["decoding"] = DecodingConfig.from_dict(d["decoding"])
-    unknown = set(d) - {f.name for f in dataclasses.fields(EngineConfig)}
-    if unknown:
-        raise ValueError(f"unknown EngineConfig fields: {sorted(unknown)}")
-    return EngineConfig(**d)
+    """Deprecated alias of :meth:`EngineConfig.from_dict` (the one dict form of engine settings)."""
+    return EngineConfig.from_dict(d)
 
 
 def row_seed(seed: int, row_id: Any) -> int:
@@ -104,7 +96,8 @@ class DartGenerator:
     """Generate a completion per row with one engine built in the constructor.
 
     Args:
-        engine_config: an :class:`~dart_ray.EngineConfig` or its fields as a dict.
+        engine_config: an :class:`~dart_ray.EngineConfig` or its fields as a dict
+            (:meth:`EngineConfig.from_dict <dart_ray.EngineConfig.from_dict>`).
         prompt_column: column holding the prompt text.
         id_column: column holding a row id; it seeds sampling (see :func:`row_seed`). ``None`` or a
             column absent from the batch: the prompt text seeds the row instead.
@@ -121,10 +114,10 @@ class DartGenerator:
     def __init__(self, engine_config: dict | EngineConfig | None = None, *,
                  prompt_column: str = "prompt", id_column: str | None = "id", chat: bool = False,
                  sampling: SamplingParams | dict | None = None, max_new_tokens: int | None = None,
-                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 seed: int | None = 0,
+                 temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, seed: int | None = 0,
                  profile: str | dict | DecodingSchedule | DecodingConfig | None = None) -> None:
-        self.engine_config = engine_config_from_dict(engine_config or {})
+        self.engine_config = EngineConfig.from_dict(engine_config or {})
         self.prompt_column = prompt_column
         self.id_column = id_column
         self.chat = chat
@@ -141,7 +134,7 @@ class DartGenerator:
     def _build_engine(self) -> Engine:
         engine = Engine.from_config(self.engine_config)
         if isinstance(self.profile, DecodingSchedule):
-            check_profile_hardware(self.profile, engine.fingerprint)   # warns once on other hardware
+            check_profile_hardware(self.profile, engine.fingerprint)  # warns once on other hardware
         if self.profile is not None:
             engine.set_decoding(self.profile)
         return engine
@@ -173,13 +166,15 @@ class DartGenerator:
         """Outputs of every row of ``table``: a table of :data:`OUTPUT_COLUMNS` (same row order)
         and the batch's totals."""
         names = table.column_names
-        prompts = table.column(self.prompt_column).to_pylist() if self.prompt_column in names else None
+        prompts = (table.column(self.prompt_column).to_pylist() if self.prompt_column in names
+                   else None)
         keys = table.column(self.id_column).to_pylist() if self.id_column in names else None
         return self.generate_rows(prompts, keys)
 
     def generate_rows(self, prompts: list | None,
                       keys: list | None = None) -> tuple[pa.Table, BatchStats]:
-        """Outputs for ``prompts`` (row ``i`` seeded by ``keys[i]``, or by its prompt when no keys)."""
+        """Outputs for ``prompts`` (row ``i`` seeded by ``keys[i]``, or by its prompt when no
+        keys)."""
         if prompts is None:
             raise KeyError(f"batch has no prompt column {self.prompt_column!r}")
         n = len(prompts)
@@ -198,7 +193,7 @@ class DartGenerator:
         params = [self._params(keys[i]) for i in todo]
         stats = BatchStats(rows=n)
         t0 = time.perf_counter()
-        for i, c in zip(todo, self._generate(ids, params)):
+        for i, c in zip(todo, self._generate(ids, params), strict=True):
             if isinstance(c, Exception):
                 rows[i]["error"] = f"{type(c).__name__}: {c}"
                 continue
@@ -243,7 +238,7 @@ class DartGenerator:
             log.exception("engine failed on a batch of %d rows; retrying row by row", len(ids))
         self.engine = self._build_engine()
         out: list = []
-        for toks, p in zip(ids, params):
+        for toks, p in zip(ids, params, strict=True):
             try:
                 out.append(self.engine.generate([toks], [p])[0])
             except Exception as e:
@@ -268,7 +263,8 @@ def _is_pandas(batch) -> bool:
 
 def _py_values(col) -> list:
     """Column values as Python objects, pandas/numpy missing values (NaN, NA, NaT) as None."""
-    return [None if _is_missing(v) else v for v in (col.tolist() if hasattr(col, "tolist") else col)]
+    values = col.tolist() if hasattr(col, "tolist") else col
+    return [None if _is_missing(v) else v for v in values]
 
 
 def _is_missing(v) -> bool:

@@ -2,8 +2,8 @@
 
 Pipeline (Ray Data, streaming)::
 
-    read_parquet / read_json(lines)      input files (or, without an id column, numbered on the driver)
-      -> _prepare                        keep id + prompt, normalise the id type, drop ids already done
+    read_parquet / read_json(lines)      input files (without an id column: numbered by the driver)
+      -> _prepare                        keep id + prompt, normalise id types, drop ids already done
       -> repartition(batch_size rows)    so every actor of the pool gets work
       -> map_batches(_PartWriter)        actor pool: DartGenerator, then one atomic part per batch
       -> iter_batches                    the driver sums per-batch totals (progress bar, summary)
@@ -51,6 +51,7 @@ import pyarrow.parquet as pq
 
 from batch.generator import OUTPUT_SCHEMA, BatchStats, DartGenerator
 from batch.store import OutputStore, id_report, retry_report
+from batch.watchdog import PipelineStalled, consume
 from dart_ray import EngineConfig, SamplingParams, load_profile
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ ROW_NUMBER = "row_number"
 
 READ_CPUS = 0.25
 """CPUs declared by the read/prepare tasks (Ray's file listing still takes one whole CPU)."""
+
+
+MANIFEST_EXCLUDES = ("num_threads", "max_batch_size")
+"""Engine settings a resumed run may change: threads follow the actors' CPUs, and the rows decoded
+together follow scheduling anyway (fp32 outputs do not depend on them; see
+:mod:`batch.generator`)."""
 
 
 class DuplicateIdError(ValueError):
@@ -79,6 +86,8 @@ class BatchJobConfig:
     """Unique row id. Absent from the input: ids are row numbers (see the module docstring)."""
     chat: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
+    """The engine of every actor (a mapping of its fields is read with
+    ``EngineConfig.from_dict``)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = 0
     """Base of per-row sampling seeds (seed + hash(id)); None = unseeded."""
@@ -93,23 +102,38 @@ class BatchJobConfig:
     """CPUs each actor declares; None = (cluster CPUs - 1) / concurrency, one CPU left for reads.
     The engine uses max(1, floor(this)) threads unless ``engine.num_threads`` is set."""
     stale_worker_timeout_s: float = 120.0
+    stall_timeout_s: float | None = 900.0
+    """No batch committed for this long (actor start-up included): the run is stalled (a lost
+    actor can leave Ray Data's pool waiting forever, see :mod:`batch.watchdog`); it is stopped and
+    the job resumes from its committed parts. Set it above the slowest batch; None = never."""
+    max_resumes: int = 2
+    """Automatic resumes after a stall within one call; beyond them the job fails (rerun
+    resumes)."""
     force: bool = False
     """Resume into a directory written with other generation settings."""
     progress: bool = True
 
     def __post_init__(self) -> None:
+        self.engine = EngineConfig.from_dict(self.engine)
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.num_cpus_per_actor is not None and self.num_cpus_per_actor <= 0:
             raise ValueError(f"num_cpus_per_actor must be > 0, got {self.num_cpus_per_actor}")
+        if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0 or None, got {self.stall_timeout_s}")
+        if self.max_resumes < 0:
+            raise ValueError(f"max_resumes must be >= 0, got {self.max_resumes}")
 
     def manifest(self, ids: str) -> dict:
-        """Settings that determine the outputs (a resumed run must match them)."""
-        e, s = self.engine, self.sampling
-        return {"model": e.model, "method": e.method, "drafter": e.drafter, "ngram": e.ngram,
-                "dtype": e.dtype, "max_seq_len": e.max_seq_len, "chat": self.chat,
+        """Settings that determine the outputs (a resumed run must match them): the engine's
+        fingerprint (``EngineConfig.fingerprint``, keys ``engine.<field>``) less
+        :data:`MANIFEST_EXCLUDES`, and the generation settings."""
+        s = self.sampling
+        engine = {f"engine.{k}": v
+                  for k, v in self.engine.fingerprint(exclude=MANIFEST_EXCLUDES).items()}
+        return {**engine, "chat": self.chat,
                 "prompt_column": self.prompt_column, "id_column": self.id_column, "ids": ids,
                 "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                 "top_k": s.top_k, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
@@ -139,7 +163,10 @@ class JobSummary:
     """Rows generated more than once by this run (a worker or node was lost mid-batch and Ray ran
     the batch again) plus rows an earlier, interrupted run had started but not committed."""
     retries: dict = field(default_factory=dict)
-    """retried_rows split: ``in_run`` and ``from_interrupted_run`` (see :func:`batch.store.retry_report`)."""
+    """retried_rows split: ``in_run`` and ``from_interrupted_run`` (see
+    :func:`batch.store.retry_report`)."""
+    resumes: int = 0
+    """Times this run stopped a stalled pipeline and resumed from the committed parts."""
 
     @property
     def rows_per_s(self) -> float:
@@ -159,7 +186,8 @@ class JobSummary:
         return o.get("missing") == 0 and o.get("duplicated") == 0
 
     def add(self, st: dict) -> None:
-        for k in ("rows", "errors", "prompt_tokens", "completion_tokens", "steps", "accepted_tokens"):
+        for k in ("rows", "errors", "prompt_tokens", "completion_tokens", "steps",
+                  "accepted_tokens"):
             setattr(self, k, getattr(self, k) + int(st[k]))
         self.engine_s += float(st["generate_s"])
 
@@ -181,7 +209,7 @@ class JobSummary:
              f"in all"),
             (f"  retried: {self.retried_rows} rows ({self.retries.get('in_run', 0)} after a lost "
              f"worker/node, {self.retries.get('from_interrupted_run', 0)} left unfinished by an "
-             f"interrupted run)"),
+             f"interrupted run); resumed after a stall: {self.resumes}x"),
         ]
         if self.ok:
             lines.append(f"  output: {o['expected']} ids, each exactly once")
@@ -236,7 +264,7 @@ def check_unique_ids(ids: pa.Array) -> None:
             f"make the id column unique")
 
 
-# ---- Ray Data stages ------------------------------------------------------------------------------
+# ---- Ray Data stages -----------------------------------------------------------------------------
 def _prepare(table: pa.Table, id_column: str, prompt_column: str, id_type: pa.DataType,
              done: pa.Array | None) -> pa.Table:
     """Keep id and prompt, give the id the input-wide type, drop ids already committed."""
@@ -258,7 +286,8 @@ class _PartWriter:
         self._lock_fd = self.store.hold_worker_lock()
         self.id_column = id_column
         self.prompt_column = prompt_column
-        self.schema = pa.schema([(id_column, id_type), (prompt_column, pa.string()), *OUTPUT_SCHEMA])
+        self.schema = pa.schema([(id_column, id_type), (prompt_column, pa.string()),
+                                 *OUTPUT_SCHEMA])
         self.generator = DartGenerator(id_column=id_column, prompt_column=prompt_column,
                                        **generator_kwargs)
 
@@ -276,7 +305,7 @@ class _PartWriter:
         return pa.Table.from_pylist([dataclasses.asdict(st)])
 
 
-# ---- the job --------------------------------------------------------------------------------------
+# ---- the job -------------------------------------------------------------------------------------
 @dataclass
 class _Input:
     files: list[str]
@@ -312,7 +341,8 @@ def _load_input(cfg: BatchJobConfig) -> _Input:
         log.warning("input has no %r column: ids are row numbers over %d file(s) in path order",
                     cfg.id_column, len(files))
         numbered = read([cfg.prompt_column])
-        numbered = numbered.append_column(cfg.id_column, pa.array(range(numbered.num_rows), pa.int64()))
+        numbered = numbered.append_column(cfg.id_column,
+                                          pa.array(range(numbered.num_rows), pa.int64()))
         ids = numbered.column(cfg.id_column).combine_chunks()
     check_unique_ids(ids)
     return _Input(files, fmt, ids, numbered)
@@ -335,11 +365,26 @@ def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSumma
         before = id_report(inp.ids, committed)
         summary = JobSummary(input_rows=len(inp.ids),
                              already_done=before["expected"] - before["missing"])
-        if before["missing"]:
+        missing = before["missing"]
+        while missing:
             done = None
             if committed is not None:
                 done = pc.unique(committed.combine_chunks().cast(inp.ids.type))
-            _run_pipeline(cfg, store, inp, done, before["missing"], profile, summary, ray_init)
+            try:
+                _run_pipeline(cfg, store, inp, done, missing, profile, summary, ray_init)
+                break
+            except PipelineStalled as e:
+                if summary.resumes >= cfg.max_resumes:
+                    raise PipelineStalled(f"{e}; gave up after {summary.resumes} resume(s). The "
+                                          "committed parts are kept: rerun the job to "
+                                          "resume") from e
+                summary.resumes += 1
+                log.warning("%s; resuming from the committed parts (%d/%d)", e, summary.resumes,
+                            cfg.max_resumes)
+                store.wait_for_workers(cfg.stale_worker_timeout_s)  # the stopped actors' locks
+                store.clear_tmp()
+                committed = store.committed_ids(cfg.id_column)
+                missing = id_report(inp.ids, committed)["missing"]
         summary.output = id_report(inp.ids, store.committed_ids(cfg.id_column))
         summary.retries = retry_report(store.attempted_ids(cfg.id_column), unfinished)
         summary.retried_rows = summary.retries["rows"]
@@ -363,7 +408,8 @@ def _unfinished_attempts(store: OutputStore, id_column: str,
 def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa.Array | None,
                   remaining: int, profile: dict | None, summary: JobSummary,
                   ray_init: dict | None) -> None:
-    """Generate the ``remaining`` rows (those not in ``done``), adding their totals to ``summary``."""
+    """Generate the ``remaining`` rows (those not in ``done``), adding their totals to
+    ``summary``."""
     import ray
     import ray.data
 
@@ -374,8 +420,8 @@ def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa
     if cpus is None:
         cpus = max(0.25, (total - 1.0) / cfg.concurrency)
     elif cpus * cfg.concurrency > total - 1.0:
-        log.warning("the actors declare %.2f of the cluster's %.0f CPUs; Ray Data's file listing needs "
-                    "one free CPU, so the job may stall", cpus * cfg.concurrency, total)
+        log.warning("the actors declare %.2f of the cluster's %.0f CPUs; Ray Data's file listing "
+                    "needs one free CPU, so the job may stall", cpus * cfg.concurrency, total)
     engine = cfg.engine
     if engine.num_threads is None:
         engine = engine.replace(num_threads=max(1, math.floor(cpus)))
@@ -414,9 +460,10 @@ def _execute(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa.Arra
                                "prompt_column": cfg.prompt_column, "id_type": inp.ids.type,
                                "generator_kwargs": gen_kwargs})
 
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() - summary.wall_s        # a resumed pipeline adds to the run's time
     with tqdm(total=remaining, unit="row", desc="dart-ray batch", disable=not cfg.progress) as bar:
-        for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        for b in consume(lambda: ds.iter_batches(batch_size=None, batch_format="pyarrow"),
+                         cfg.stall_timeout_s):
             for st in b.to_pylist():
                 summary.add(st)
                 bar.update(st["rows"])

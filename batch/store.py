@@ -4,7 +4,7 @@ Layout of ``DIR``::
 
     DIR/part-<digest>.parquet     committed parts: complete rows only, every id at most once overall
     DIR/_dart_ray/job.json        what produced the parts (a rerun with other settings is refused)
-    DIR/_dart_ray/tmp/*.tmp       parts being written (a crash leaves them; the next run deletes them)
+    DIR/_dart_ray/tmp/*.tmp       parts being written (left by a crash; the next run deletes them)
     DIR/_dart_ray/attempts/*      one small file per batch attempt (its ids): counts retried rows
     DIR/_dart_ray/driver.lock     held (flock, exclusive) by the one driver writing to DIR
     DIR/_dart_ray/workers.lock    held (flock, shared) by every worker that may commit parts
@@ -95,7 +95,8 @@ class OutputStore:
                     f"written by dart-ray batch's atomic commit; remove it and rerun") from e
         types = {c.type for c in chunks}
         if len(types) > 1:
-            raise CorruptPartError(f"committed parts in {self.root} disagree on the id type: {types}")
+            raise CorruptPartError(f"committed parts in {self.root} disagree on the id type: "
+                                   f"{types}")
         return pa.chunked_array([ch for c in chunks for ch in c.chunks], type=chunks[0].type)
 
     def read(self, columns: list[str] | None = None) -> pa.Table:
@@ -161,7 +162,8 @@ class OutputStore:
 
     # ---- manifest ------------------------------------------------------------------------------
     def check_manifest(self, manifest: dict, force: bool = False) -> None:
-        """Record ``manifest`` on the first run; on a rerun refuse a different one (unless forced)."""
+        """Record ``manifest`` on the first run; on a rerun refuse a different one (unless
+        forced)."""
         if self.manifest_path.exists() and not force:
             old = json.loads(self.manifest_path.read_text())
             diff = {k: (old.get(k), manifest.get(k)) for k in sorted(set(old) | set(manifest))
@@ -190,13 +192,16 @@ class OutputStore:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise OutputBusyError(f"another dart-ray batch job is writing to {self.root}") from None
-            self._wait_for_stale_workers(stale_worker_timeout_s)
+                raise OutputBusyError("another dart-ray batch job is writing to "
+                                      f"{self.root}") from None
+            self.wait_for_workers(stale_worker_timeout_s)
             yield
         finally:
             os.close(fd)  # closing releases the flock
 
-    def _wait_for_stale_workers(self, timeout_s: float) -> None:
+    def wait_for_workers(self, timeout_s: float) -> None:
+        """Wait until no worker process holds the worker lock (raises OutputBusyError after
+        ``timeout_s``)."""
         fd = os.open(self.workers_lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             deadline = time.monotonic() + timeout_s
@@ -208,7 +213,8 @@ class OutputStore:
                     if time.monotonic() > deadline:
                         raise OutputBusyError(
                             f"workers of an earlier job on {self.root} are still running after "
-                            f"{timeout_s:.0f} s; stop them (or that Ray cluster) and rerun") from None
+                            f"{timeout_s:.0f} s; stop them (or that Ray cluster) and "
+                            "rerun") from None
                     time.sleep(0.2)
         finally:
             os.close(fd)
@@ -221,7 +227,8 @@ class OutputStore:
 
 
 def id_report(expected: pa.Array | pa.ChunkedArray, committed: pa.ChunkedArray | None) -> dict:
-    """How ``committed`` ids cover ``expected``: counts of missing, duplicated and unexpected ids."""
+    """How ``committed`` ids cover ``expected``: counts of missing, duplicated and unexpected
+    ids."""
     expected = _combine(expected)
     if committed is None or len(committed) == 0:
         return {"expected": len(expected), "committed": 0, "missing": len(expected),
@@ -251,7 +258,8 @@ def retry_report(attempted: pa.ChunkedArray | None, earlier: pa.Array | None = N
         uniq = pc.unique(a)
         in_run = len(a) - len(uniq)
         if earlier is not None and len(earlier):
-            again = int(pc.sum(pc.is_in(_combine(earlier).cast(a.type), value_set=uniq)).as_py() or 0)
+            again = int(pc.sum(pc.is_in(_combine(earlier).cast(a.type),
+                                        value_set=uniq)).as_py() or 0)
     return {"rows": in_run + again, "in_run": in_run, "from_interrupted_run": again}
 
 

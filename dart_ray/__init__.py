@@ -26,7 +26,7 @@ from dart_ray.profiles import DecodingSchedule, load_profile, save_profile
 __version__ = "0.1.0"
 
 __all__ = [
-    "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats", "Completion",
-    "RequestOutput", "RequestStats", "PromptTooLongError", "DecodingSchedule", "load_profile",
-    "save_profile", "encode_prompt", "__version__",
+    "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats",
+    "Completion", "RequestOutput", "RequestStats", "PromptTooLongError", "DecodingSchedule",
+    "load_profile", "save_profile", "encode_prompt", "__version__",
 ]

@@ -1,4 +1,5 @@
-"""``dart-ray`` command line: generate | bench | build-ngram | prompts | serve | batch | tune | train-drafter.
+"""``dart-ray`` command line: generate | bench | build-ngram | prompts | serve | batch | tune |
+train-drafter.
 
 Heavy imports happen inside each subcommand so ``dart-ray --help`` is instant.
 """
@@ -8,49 +9,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
-from dart_ray.config import METHODS
-
-
-def _add_engine_args(p: argparse.ArgumentParser, default_method: str = "auto") -> None:
-    p.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default=default_method, choices=["auto", *METHODS, "ar"],
-                   help="drafting method; auto = dart if a trained drafter is shipped for the model, else ngram")
-    p.add_argument("--drafter", default=None,
-                   help="drafter dir for the method ('random' = untrained dart/eagle; default: shipped)")
-    p.add_argument("--ngram", default=None, help="N-gram model dir ('none' disables; default: shipped)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
-                   help="auto = bf16 where this machine runs it natively and fast, else fp32 (measured)")
-    p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
-                   help="always verify the configured tree (default: size it per step, down to plain AR)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--profile", default=None, help="decoding profile (name or YAML path) from `dart-ray tune`")
+from dart_ray.config import (  # resolve_method: re-exported from its old home here
+    EngineConfig,
+    RenamedWarning,
+    add_engine_args,
+    engine_args,
+    resolve_method,  # noqa: F401
+)
 
 
-def resolve_method(method: str, model: str | None, drafter: str | None) -> str:
-    """``auto`` -> ``dart`` when a drafter is given or shipped for the target, else ``ngram``."""
-    if method == "ar":
-        return "none"
-    if method != "auto":
-        return method
-    if drafter:
-        return "dart"
-    from dart_ray.drafters import default_artifact_dir
-    from dart_ray.models.loading import model_id_for, resolve_model_dir
-
-    mid = model_id_for(resolve_model_dir(model))
-    return "dart" if (default_artifact_dir(mid) / "drafter" / "dart_config.json").is_file() else "ngram"
-
-
-def engine_config_from_args(a: argparse.Namespace, max_batch_size: int = 8):
-    from dart_ray.config import EngineConfig
-
-    method = resolve_method(a.method, a.model, a.drafter)
-    return EngineConfig(model=a.model, method=method, drafter=a.drafter, ngram=a.ngram, dtype=a.dtype,
-                        device=a.device, num_threads=a.threads, max_seq_len=a.max_seq_len,
-                        max_batch_size=max_batch_size, adaptive=getattr(a, "adaptive", True))
+def _add_profile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default=None,
+                   help="decoding profile (name or YAML path) from `dart-ray tune`")
 
 
 def _apply_profile(engine, profile: str | None) -> None:
@@ -64,9 +36,9 @@ def _apply_profile(engine, profile: str | None) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     from dart_ray import Engine, PromptTooLongError, SamplingParams
 
-    cfg = engine_config_from_args(a, max_batch_size=1)
-    params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                            top_k=a.top_k, seed=a.seed, stop=tuple(a.stop or ()))
+    cfg = EngineConfig.from_args(a)
+    params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                            top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=tuple(a.stop or ()))
     engine = Engine.from_config(cfg)
     _apply_profile(engine, a.profile)
     try:
@@ -86,10 +58,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     st = last.stats
     es = engine.stats()
     print()
-    spec = f"{es.ar_steps}/{es.steps} steps plain AR" if engine.controller is not None else "adaptive off"
-    print(f"[{cfg.method}] {n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s | tau {st.mean_accepted_len:.2f} | "
-          f"finish {last.finish_reason} | {engine.config.dtype} ({engine.dtype_choice.reason}) | {spec} | "
-          f"{engine.fingerprint.summary()}", file=sys.stderr if a.stats_stderr else sys.stdout)
+    spec = (f"{es.ar_steps}/{es.steps} steps plain AR" if engine.controller is not None
+            else "adaptive off")
+    print(f"[{cfg.method}] {n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s | tau "
+          f"{st.mean_accepted_len:.2f} | finish {last.finish_reason} | {engine.config.dtype} "
+          f"({engine.dtype_choice.reason}) | {spec} | {engine.fingerprint.summary()}",
+          file=sys.stderr if a.stats_stderr else sys.stdout)
     return 0
 
 
@@ -104,12 +78,23 @@ def _method_map(items: list[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
+BENCH_FIXED = ("max_batch_size", "max_seq_len", "pack_weights", "seed")
+"""Engine settings the bench harness fixes itself (a flag for one of them is an error, not
+ignored)."""
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from dart_ray.bench.prompts import load_prompts
     from dart_ray.bench.runner import format_table, plot_report, run_bench, write_report
 
+    given = engine_args(a)
+    fixed = sorted(k for k in BENCH_FIXED if k in given)
+    if fixed:
+        raise ValueError(f"bench sets {fixed} itself (rows = --batch-size, max_seq_len 2048, auto "
+                         "packing, drafter seed 0); drop those flags")
+    cfg = EngineConfig.from_args(a)          # --method is not used: --methods lists what runs
     prompts = load_prompts(a.prompts, limit=a.limit)
-    decoding = None
+    decoding = cfg.decoding
     if a.profile:
         from dart_ray.profiles import load_profile
 
@@ -120,10 +105,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from dart_ray.profiles import load_profile
 
         decodings[m] = load_profile(prof).for_batch_size(a.batch_size)
-    report = run_bench(prompts, a.methods.split(","), model=a.model, drafter=a.drafter, ngram=a.ngram,
-                       chat=a.chat, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, dtype=a.dtype,
-                       threads=a.threads, decoding=decoding, device=a.device, drafters=drafters,
-                       decodings=decodings, adaptive=a.adaptive)
+    report = run_bench(prompts, a.methods.split(","), model=cfg.model, drafter=cfg.drafter,
+                       ngram=cfg.ngram, chat=a.chat, max_new_tokens=a.max_new_tokens,
+                       batch_size=a.batch_size, dtype=cfg.dtype, threads=cfg.num_threads,
+                       decoding=decoding, device=cfg.device, drafters=drafters, decodings=decodings,
+                       adaptive=cfg.adaptive)
     print(format_table(report))
     if a.out:
         write_report(report, a.out)
@@ -145,19 +131,14 @@ def cmd_prompts(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_build_ngram(argv: list[str]) -> int:
-    from dart_ray.ngram import build_ngram_cli
-
-    return build_ngram_cli(argv)
-
-
 def _delegate(module: str, func: str, argv: list[str]) -> int:
     import importlib
 
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        print(f"error: {module} is unavailable ({e}); install the extras: pip install 'dart-ray[serve,tune]'",
+        print(f"error: {module} is unavailable ({e}); install the extras: pip install "
+              "'dart-ray[serve,tune]'",
               file=sys.stderr)
         return 2
     return getattr(mod, func)(argv)
@@ -170,12 +151,14 @@ DELEGATED = {
     "tune": ("tuning.cli", "tune_cli"),
     "train-drafter": ("dart_ray.training.cli", "train_cli"),
     "gen-data": ("dart_ray.training.cli", "gen_data_cli"),
+    "gen-prompts": ("dart_ray.training.cli", "gen_prompts_cli"),
     "ship": ("dart_ray.training.ship", "ship_cli"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dart-ray", description="Lossless DART speculative decoding on Ray")
+    p = argparse.ArgumentParser(prog="dart-ray",
+                                description="Lossless DART speculative decoding on Ray")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt (streams to stdout)")
     g.add_argument("prompt")
@@ -187,10 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--stats-stderr", action="store_true", help="print the stats line to stderr")
-    _add_engine_args(g)
+    add_engine_args(g, method="auto", max_batch_size=1)
+    _add_profile_arg(g)
     g.set_defaults(func=cmd_generate)
-    b = sub.add_parser("bench", help="benchmark methods on a prompt file (one process, interleaved, medians)")
-    b.add_argument("--prompts", required=True, help=".jsonl/.parquet with a 'prompt' column, or humaneval|chat")
+    b = sub.add_parser("bench", help="benchmark methods on a prompt file (one process, "
+                                     "interleaved, medians)")
+    b.add_argument("--prompts", required=True,
+                   help=".jsonl/.parquet with a 'prompt' column, or humaneval|chat")
     b.add_argument("--methods", default="ar,ngram,dart,hf,hf-pld",
                    help="comma list of ar, ngram, sps, medusa, eagle, dart, hf, hf-pld")
     b.add_argument("--chat", action="store_true")
@@ -202,14 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--drafter-for", action="append", metavar="METHOD=DIR",
                    help="drafter directory of one method (repeatable; default: shipped)")
     b.add_argument("--profile-for", action="append", metavar="METHOD=PROFILE",
-                   help="decoding profile of one method (repeatable; default: --profile, else defaults)")
-    _add_engine_args(b, default_method="auto")
+                   help="decoding profile of one method (repeatable; default: --profile, else "
+                        "defaults)")
+    add_engine_args(b, help={"method": "not used (--methods lists what runs)"})
+    _add_profile_arg(b)
     b.set_defaults(func=cmd_bench)
     pr = sub.add_parser("prompts", help="export a prompt set (humaneval|chat|FILE) to .jsonl")
     pr.add_argument("source")
     pr.add_argument("--out", required=True)
     pr.add_argument("--limit", type=int, default=None)
-    pr.add_argument("--skip", type=int, default=0, help="drop the first N prompts (e.g. the ones bench uses)")
+    pr.add_argument("--skip", type=int, default=0,
+                    help="drop the first N prompts (e.g. the ones bench uses)")
     pr.set_defaults(func=cmd_prompts)
     for name in DELEGATED:
         sub.add_parser(name, help=f"see `dart-ray {name} --help`", add_help=False)
@@ -218,14 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # old spellings (a profile's chunk_len, a renamed flag) still work; say so on every command
+    warnings.simplefilter("default", RenamedWarning)
     if argv and argv[0] in DELEGATED:
         module, func = DELEGATED[argv[0]]
         return _delegate(module, func, argv[1:])
     a = build_parser().parse_args(argv)
-    if getattr(a, "threads", None):
+    if getattr(a, "num_threads", None):
         import torch
 
-        torch.set_num_threads(a.threads)
+        torch.set_num_threads(a.num_threads)
     try:
         return a.func(a)
     except (FileNotFoundError, ValueError) as e:

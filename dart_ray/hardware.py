@@ -31,8 +31,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8",
-             "sve", "asimd", "bf16")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
+             "amx_int8", "sve", "asimd", "bf16")
 """CPU flags that change which kernels torch/oneDNN run (x86 and Arm); the rest is noise."""
 
 ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
@@ -67,7 +67,8 @@ def device_name(device: str | torch.device) -> str:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """Everything a measured speed depends on. Equal fingerprints may share cost tables and profiles."""
+    """Everything a measured speed depends on. Equal fingerprints may share cost tables and
+    profiles."""
 
     device: str
     """Device name: the GPU's name, or the CPU model for ``cpu``."""
@@ -90,8 +91,8 @@ class Fingerprint:
         cpu, flags = cpu_model_and_flags()
         env = tuple(f"{k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k))
         return cls(device=device_name(device), cpu=cpu, isa=flags + env,
-                   threads=int(threads or torch.get_num_threads()), torch=torch.__version__.split("+")[0],
-                   dtype=dtype, model=model)
+                   threads=int(threads or torch.get_num_threads()),
+                   torch=torch.__version__.split("+")[0], dtype=dtype, model=model)
 
     def key(self) -> str:
         """Short stable hash (file names of cached measurements)."""
@@ -121,13 +122,15 @@ class Fingerprint:
 
     def summary(self) -> str:
         """One line for logs and stats lines: ``CPU model [isa] x threads, dtype``."""
-        isa = ",".join(f for f in self.isa if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") or "=" in f)
+        isa = ",".join(f for f in self.isa if f in ("avx2", "avx512f", "avx512_bf16",
+                                                    "amx_bf16") or "=" in f)
         dev = "" if self.device == self.cpu else f"{self.device} / "
         return f"{dev}{self.cpu} [{isa or 'no avx2'}] x{self.threads} threads, {self.dtype}"
 
 
 def hardware_cache_dir() -> Path:
-    """``$DART_RAY_CACHE/hardware``: measured dtype decisions and cost tables, keyed by fingerprint."""
+    """``$DART_RAY_CACHE/hardware``: measured dtype decisions and cost tables, keyed by
+    fingerprint."""
     from dart_ray.models.loading import cache_root
 
     return cache_root() / "hardware"
@@ -215,7 +218,8 @@ def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DTypeCh
     if requested != "auto":
         return DTypeChoice(requested, requested, "requested")
     if not bf16_supported(device):
-        return DTypeChoice("fp32", "auto", "no native bf16 on this device (oneDNN/CUDA report none)")
+        return DTypeChoice("fp32", "auto",
+                           "no native bf16 on this device (oneDNN/CUDA report none)")
     fp = Fingerprint.current(device)
     name = f"dtype-{fp.key()}.json"
     t = read_cached(name)
@@ -224,5 +228,6 @@ def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DTypeCh
         write_cached(name, {**t, "fingerprint": fp.to_dict()})
     ratio = max(t["bf16_1"] / t["fp32_1"], t["bf16_64"] / t["fp32_64"])
     if ratio <= 1.1:
-        return DTypeChoice("bf16", "auto", f"bf16 supported and measured {1 / ratio:.2f}x fp32 or better")
+        return DTypeChoice("bf16", "auto",
+                           f"bf16 supported and measured {1 / ratio:.2f}x fp32 or better")
     return DTypeChoice("fp32", "auto", f"bf16 supported but measured {ratio:.2f}x slower than fp32")

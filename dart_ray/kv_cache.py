@@ -46,21 +46,25 @@ class KVCache:
             raise ValueError(f"starts has {len(starts)} entries for {B} rows")
         s_used = max(starts) + num_new
         if s_used > self.max_seq_len:
-            raise ValueError(f"KV cache overflow: need {s_used} slots, max_seq_len is {self.max_seq_len}")
+            raise ValueError(f"KV cache overflow: need {s_used} slots, max_seq_len is "
+                             f"{self.max_seq_len}")
         self._write_rows, self._write_starts, self._write_T = rows, starts, num_new
         if all(s == starts[0] for s in starts):
             self._index = None  # contiguous block: plain slice assignment
         else:
             dev = self.device
             H = self.k.shape[2]
-            slots = torch.tensor(starts, device=dev)[:, None] + torch.arange(num_new, device=dev)  # [B, T]
-            b_idx = torch.arange(rows.start, rows.stop, device=dev)[:, None, None]                # [B, 1, 1]
-            h_idx = torch.arange(H, device=dev)[None, :, None]                                     # [1, H, 1]
+            new = torch.arange(num_new, device=dev)
+            slots = torch.tensor(starts, device=dev)[:, None] + new                      # [B, T]
+            b_idx = torch.arange(rows.start, rows.stop, device=dev)[:, None, None]       # [B, 1, 1]
+            h_idx = torch.arange(H, device=dev)[None, :, None]                           # [1, H, 1]
             self._index = (b_idx, h_idx, slots[:, None, :])
         return s_used
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, s_used: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v ``[B, H_kv, T, D]`` for ``layer``; return the rows' keys/values ``[B, H_kv, S_used, D]``."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              s_used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v ``[B, H_kv, T, D]`` for ``layer``; return the rows' keys/values
+        ``[B, H_kv, S_used, D]``."""
         rows = self._write_rows
         kc, vc = self.k[layer], self.v[layer]                         # [B_max, H_kv, S_max, D]
         if self._index is None:
@@ -78,7 +82,8 @@ class KVCache:
         committed length, increasing) as the next ``num[b]`` committed tokens.
 
         path: [B, A] int64 (padded; entries past num[b] ignored). Offsets must satisfy
-        ``path[b, i] >= i`` (true for topologically ordered trees), so a gather-then-scatter is safe.
+        ``path[b, i] >= i`` (true for topologically ordered trees), so a gather-then-scatter is
+        safe.
         """
         B = rows.stop - rows.start
         if len(num) != B or path.shape[0] != B:
@@ -112,7 +117,8 @@ class KVCache:
         self.lengths[r] = 0
 
     def move_row(self, src: int, dst: int) -> None:
-        """Move row ``src``'s committed content to row ``dst`` (compaction when a request leaves)."""
+        """Move row ``src``'s committed content to row ``dst`` (compaction when a request
+        leaves)."""
         n = self.lengths[src]
         if n:
             self.k[:, dst, :, :n] = self.k[:, src, :, :n]

@@ -1,10 +1,15 @@
 """Decoding profiles: per-workload schedules of :class:`DecodingConfig` by batch size.
 
+Every engine holds one :class:`DecodingSchedule` (``Engine.schedule``): a constant one of
+``EngineConfig.decoding`` until a profile is applied, then the profile's. Steps, per-request lanes
+of the server and its metrics all read that one schedule.
+
 A profile (written by ``dart-ray tune``, loaded by the engine, server and batch jobs) is YAML::
 
     workload: code
     schedule:
-      - {max_batch_size: 1,  decoding: {chunk_len: 8, top_k: 25, beam_width: 20, tree_budget: 60, ...}}
+      - {max_batch_size: 1,  decoding: {draft_depth: 8, top_k: 25, beam_width: 20,
+                                        tree_budget: 60, ...}}
       - {max_batch_size: 4,  decoding: {...}}
       - {max_batch_size: 1024, decoding: {...}}
     meta: {...}            # how it was tuned, measured gains; meta.fingerprint = the machine
@@ -12,14 +17,16 @@ A profile (written by ``dart-ray tune``, loaded by the engine, server and batch 
 The engine asks ``schedule.for_batch_size(B)`` every step: the first entry whose
 ``max_batch_size >= B`` wins (entries sorted ascending; the last one covers larger batches).
 Profiles are referenced by path or by name (``$DART_RAY_PROFILES`` dir, then the shipped
-``dart_ray/artifacts/profiles``).
+``dart_ray/artifacts/profiles``). A profile written before the ``chunk_len`` -> ``draft_depth``
+rename still loads, with a :class:`~dart_ray.config.RenamedWarning` (one release).
 
 **Hardware.** A profile is a measurement of one machine: ``dart-ray tune`` records the measuring
 engine's :class:`~dart_ray.hardware.Fingerprint` in ``meta.fingerprint`` (and a readable
 ``meta.cpu``). :func:`apply_profile` (CLI, server, batch) compares it with the engine it is applied
-to via :func:`check_profile_hardware`, which warns once per (profile, machine) pair naming the fields
-that differ (or saying that the profile records no hardware). The knobs still apply: they are the
-adaptive controller's starting point and cap; ``dart-ray tune --for-this-machine`` re-tunes them here.
+to via :func:`check_profile_hardware`, which warns once per (profile, machine) pair naming the
+fields that differ (or saying that the profile records no hardware). The knobs still apply: they are
+the adaptive controller's starting point and cap; ``dart-ray tune --for-this-machine`` re-tunes them
+here.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dart_ray.config import DecodingConfig
+from dart_ray.config import DecodingConfig, warn_renamed
 
 SHIPPED = Path(__file__).resolve().parent / "artifacts" / "profiles"
 
@@ -44,7 +51,8 @@ class DecodingSchedule:
     entries: tuple[tuple[int, DecodingConfig], ...]
     """(max_batch_size, config) sorted by max_batch_size."""
     meta: dict = field(default_factory=dict)
-    """How it was made (free-form); ``meta.fingerprint`` = the tuning machine (``Fingerprint.to_dict()``)."""
+    """How it was made (free-form); ``meta.fingerprint`` = the tuning machine
+    (``Fingerprint.to_dict()``)."""
     source: str = field(default="", compare=False)
     """Where it was loaded from ('' when built in memory); not part of equality or of the YAML."""
 
@@ -53,7 +61,11 @@ class DecodingSchedule:
             raise ValueError("a decoding schedule needs at least one entry")
         sizes = [b for b, _ in self.entries]
         if sizes != sorted(sizes) or len(set(sizes)) != len(sizes) or sizes[0] < 1:
-            raise ValueError(f"schedule max_batch_size values must be increasing and >= 1, got {sizes}")
+            raise ValueError("schedule max_batch_size values must be increasing and >= 1, got "
+                             f"{sizes}")
+        bad = [type(c).__name__ for _, c in self.entries if not isinstance(c, DecodingConfig)]
+        if bad:
+            raise TypeError(f"schedule entries must hold DecodingConfig, got {bad}")
 
     def for_batch_size(self, batch_size: int) -> DecodingConfig:
         for b, cfg in self.entries:
@@ -61,19 +73,32 @@ class DecodingSchedule:
                 return cfg
         return self.entries[-1][1]
 
+    @property
+    def max_draft_depth(self) -> int:
+        """The deepest ``draft_depth`` of any entry: the draft positions a server lists."""
+        return max(cfg.draft_depth for _, cfg in self.entries)
+
+    @property
+    def max_chunk_len(self) -> int:
+        """Deprecated: :attr:`max_draft_depth` (removed next release)."""
+        warn_renamed("max_chunk_len", "max_draft_depth", "DecodingSchedule attribute")
+        return self.max_draft_depth
+
     @classmethod
     def constant(cls, cfg: DecodingConfig, workload: str = "default") -> DecodingSchedule:
         return cls(workload, ((1 << 30, cfg),))
 
     def to_dict(self) -> dict:
         return {"workload": self.workload,
-                "schedule": [{"max_batch_size": b, "decoding": c.to_dict()} for b, c in self.entries],
+                "schedule": [{"max_batch_size": b, "decoding": c.to_dict()}
+                             for b, c in self.entries],
                 "meta": dict(self.meta)}
 
     @classmethod
     def from_dict(cls, d: dict) -> DecodingSchedule:
         try:
-            entries = tuple(sorted((int(e["max_batch_size"]), DecodingConfig.from_dict(e["decoding"]))
+            entries = tuple(sorted((int(e["max_batch_size"]),
+                                    DecodingConfig.from_dict(e["decoding"]))
                                    for e in d["schedule"]))
             return cls(str(d.get("workload", "unnamed")), entries, dict(d.get("meta") or {}))
         except (KeyError, TypeError) as e:
@@ -102,7 +127,8 @@ def resolve_profile(ref: str | Path) -> Path:
         cand = d / f"{ref}.yaml"
         if cand.is_file():
             return cand
-    raise FileNotFoundError(f"no decoding profile named {ref!r} in {[str(d) for d in dirs + [SHIPPED]]}")
+    raise FileNotFoundError(f"no decoding profile named {ref!r} in "
+                            f"{[str(d) for d in dirs + [SHIPPED]]}")
 
 
 def load_profile(ref: str | Path) -> DecodingSchedule:
@@ -123,17 +149,20 @@ def load_profile(ref: str | Path) -> DecodingSchedule:
 # ---- hardware ----------------------------------------------------------------------------------
 
 class ProfileHardwareWarning(UserWarning):
-    """A profile applied on a machine other than the one it was tuned on (or on unknown hardware)."""
+    """A profile applied on a machine other than the one it was tuned on (or on unknown
+    hardware)."""
 
 
-NO_FINGERPRINT = "no hardware recorded (profile predates meta.fingerprint; re-tune with --for-this-machine)"
+NO_FINGERPRINT = ("no hardware recorded (profile predates meta.fingerprint; re-tune with "
+                  "--for-this-machine)")
 
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
 
 def profile_fingerprint(schedule: DecodingSchedule):
-    """The :class:`~dart_ray.hardware.Fingerprint` a profile was tuned on, or None if it records none.
+    """The :class:`~dart_ray.hardware.Fingerprint` a profile was tuned on, or None if it records
+    none.
 
     Raises TypeError / ValueError when ``meta.fingerprint`` is present but malformed."""
     from dart_ray.hardware import Fingerprint
@@ -142,7 +171,8 @@ def profile_fingerprint(schedule: DecodingSchedule):
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise TypeError(f"profile {schedule.workload!r}: meta.fingerprint must be a mapping, got {type(raw).__name__}")
+        raise TypeError(f"profile {schedule.workload!r}: meta.fingerprint must be a mapping, got "
+                        f"{type(raw).__name__}")
     return Fingerprint.from_dict(raw)
 
 
@@ -174,14 +204,17 @@ def check_profile_hardware(schedule: DecodingSchedule, fingerprint: Any) -> list
         return diffs
     here = fingerprint if isinstance(fingerprint, dict) else fingerprint.to_dict()
     name = schedule.source or f"<{schedule.workload}>"
-    key = (name, repr(sorted((k, str(v)) for k, v in here.items())) + repr(schedule.meta.get("fingerprint")))
+    key = (name, repr(sorted((k, str(v)) for k, v in here.items()))
+           + repr(schedule.meta.get("fingerprint")))
     with _warned_lock:
         if key in _warned:
             return diffs
         _warned.add(key)
-    warnings.warn(f"decoding profile {name} (workload {schedule.workload!r}) was tuned on other hardware: "
-                  + "; ".join(diffs) + ". Its knobs still apply; run `dart-ray tune --for-this-machine` "
-                  "to re-tune them here.", ProfileHardwareWarning, stacklevel=2)
+    warnings.warn(f"decoding profile {name} (workload {schedule.workload!r}) was tuned on other "
+                  "hardware: "
+                  + "; ".join(diffs)
+                  + ". Its knobs still apply; run `dart-ray tune --for-this-machine` to re-tune "
+                    "them here.", ProfileHardwareWarning, stacklevel=2)
     return diffs
 
 

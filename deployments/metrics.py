@@ -16,17 +16,21 @@ Families:
   batch rows, see :class:`~dart_ray.engine.async_engine.AsyncEngine`), ``vllm:kv_cache_usage_perc``
   (committed KV slots / (rows x max_model_len) over the lanes: the static cache is allocated once,
   this is the share of it requests hold);
-* counters: ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:request_success{finished_reason}``
-  (stop / length / abort), ``vllm:num_preemptions`` (always 0: rows are never preempted),
-  ``vllm:spec_decode_num_drafts``, ``vllm:spec_decode_num_draft_tokens``,
-  ``vllm:spec_decode_num_accepted_tokens``, ``vllm:spec_decode_num_accepted_tokens_per_pos{position}``;
+* counters: ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
+  ``vllm:request_success{finished_reason}`` (stop / length / abort), ``vllm:num_preemptions``
+  (always 0: rows are never preempted), ``vllm:spec_decode_num_drafts``,
+  ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens``,
+  ``vllm:spec_decode_num_accepted_tokens_per_pos{position}``;
 * histograms: ``vllm:time_to_first_token_seconds``, ``vllm:e2e_request_latency_seconds``,
   ``vllm:inter_token_latency_seconds`` (and its older name ``vllm:time_per_output_token_seconds``),
   ``vllm:request_time_per_output_token_seconds``, ``vllm:request_queue_time_seconds``,
   ``vllm:request_prefill_time_seconds``, ``vllm:request_decode_time_seconds``,
   ``vllm:request_inference_time_seconds``, ``vllm:request_prompt_tokens``,
   ``vllm:request_generation_tokens``, ``vllm:request_params_max_tokens``,
-  ``vllm:request_max_num_generation_tokens``, ``vllm:request_params_n``, ``vllm:iteration_tokens_total``.
+  ``vllm:request_max_num_generation_tokens``, ``vllm:request_params_n``,
+  ``vllm:iteration_tokens_total``;
+* ``dart_ray:request_errors{status}`` and ``dart_ray:request_retries`` are the ingress's
+  (:class:`IngressMetrics`): the replica that answers HTTP counts them, under its own labels.
 
 Not exported (no counterpart here): prefix-cache hits/queries (no prefix cache), LoRA info,
 ``cache_config_info`` (no paged blocks).
@@ -50,12 +54,12 @@ import threading
 from collections.abc import Iterable
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so quantiles line up with vLLM dashboards
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
 # dart_ray:request_latency_seconds keeps its earlier buckets
@@ -67,13 +71,15 @@ FINISH_REASONS = ("stop", "length", "abort")
 VLLM_METRICS = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:num_preemptions",
-    "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
-    "vllm:spec_decode_num_accepted_tokens_per_pos",
-    "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:inter_token_latency_seconds",
-    "vllm:time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
-    "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
-    "vllm:request_inference_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
-    "vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens", "vllm:request_params_n",
+    "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+    "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
+    "vllm:request_time_per_output_token_seconds", "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds", "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens", "vllm:request_params_max_tokens",
+    "vllm:request_max_num_generation_tokens", "vllm:request_params_n",
     "vllm:iteration_tokens_total",
 )
 """Every vLLM metric family this module exports (family names, as ``# TYPE`` lines give them)."""
@@ -90,7 +96,10 @@ def _fmt(v: float) -> str:
 def _labels(d: dict) -> str:
     if not d:
         return ""
-    esc = (lambda s: str(s).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"'))
+
+    def esc(v) -> str:
+        return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in d.items()) + "}"
 
 
@@ -125,7 +134,7 @@ class Histogram:
     def lines(self, name: str, labels: dict) -> list[str]:
         out = []
         with self._lock:
-            for b, c in zip(self.buckets, self.counts):
+            for b, c in zip(self.buckets, self.counts, strict=True):
                 out.append(f"{name}_bucket{_labels({**labels, 'le': _fmt(b)})} {_fmt(c)}")
             out.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {_fmt(self.count)}")
             out.append(f"{name}_sum{_labels(labels)} {_fmt(self.sum)}")
@@ -237,11 +246,18 @@ class ServerMetrics:
 
     # ---- exposition ------------------------------------------------------------------------------
     def render(self, engine_stats: dict, queue_depth: int, num_running: int, num_positions: int,
-               kv_cache_usage: float = 0.0, openmetrics: bool = False) -> str:
+               kv_cache_usage: float = 0.0, openmetrics: bool = False,
+               ingress: dict | None = None) -> str:
         """``engine_stats``: lane -> (method, EngineStats as dict); ``num_positions``: draft
-        positions to list in ``accepted_per_pos`` even when none was accepted yet;
-        ``openmetrics``: OpenMetrics 1.0 text instead of the 0.0.4 text format."""
+        positions to list in ``accepted_per_pos`` even when none was accepted yet (the server passes
+        the deepest ``draft_depth`` of the schedules its lanes decode with, a loaded profile's
+        included: ``deployments.serving.draft_positions``);
+        ``openmetrics``: OpenMetrics 1.0 text instead of the 0.0.4 text format;
+        ``ingress``: :meth:`IngressMetrics.snapshot` of the ingress replica that asked, whose error
+        and retry counters are listed under that replica's labels."""
         L = self.labels
+        IL = {"model_name": L["model_name"], **(ingress or {}).get("labels", {})}
+        ingress_errors = sorted((ingress or {}).get("errors", {}).items())
         out: list[str] = []
 
         def family(name: str, kind: str, help: str, samples: list[tuple[dict, float]]) -> None:
@@ -262,16 +278,20 @@ class ServerMetrics:
         prompt = sum(s.get("prompt_tokens", 0) for _, s in engine_stats.values())
 
         # ---- vLLM: scheduler state
-        family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+        family("vllm:num_requests_running", "gauge",
+               "Number of requests in model execution batches.",
                [(L, num_running)])
         family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
                [(L, queue_depth)])
         family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
                [(L, kv_cache_usage)])
         # ---- vLLM: counters
-        family("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.", [(L, 0)])
-        family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", [(L, prompt)])
-        family("vllm:generation_tokens", "counter", "Number of generation tokens processed.", [(L, gen)])
+        family("vllm:num_preemptions", "counter",
+               "Cumulative number of preemption from the engine.", [(L, 0)])
+        family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.",
+               [(L, prompt)])
+        family("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
+               [(L, gen)])
         family("vllm:request_success", "counter", "Count of successfully processed requests.",
                [({**L, "finished_reason": k}, v) for k, v in sorted(self.requests.items())])
         family("vllm:spec_decode_num_drafts", "counter",
@@ -286,25 +306,31 @@ class ServerMetrics:
                "Accepted tokens per draft position.",
                [({**L, "position": str(i)}, v) for i, v in enumerate(sp["per_pos"])])
         # ---- vLLM: histograms
-        histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft)
-        histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self.e2e)
-        histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.itl)
+        histogram("vllm:time_to_first_token_seconds",
+                  "Histogram of time to first token in seconds.", self.ttft)
+        histogram("vllm:e2e_request_latency_seconds",
+                  "Histogram of e2e request latency in seconds.", self.e2e)
+        histogram("vllm:inter_token_latency_seconds",
+                  "Histogram of inter-token latency in seconds.", self.itl)
         histogram("vllm:time_per_output_token_seconds",
-                  "Histogram of time per output token in seconds (older name of inter_token_latency).", self.itl)
+                  "Histogram of time per output token in seconds "
+                  "(older name of inter_token_latency).", self.itl)
         histogram("vllm:request_time_per_output_token_seconds",
                   "Histogram of time_per_output_token_seconds per request.", self.tpot)
-        histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                  self.queue_time)
-        histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-                  self.prefill_time)
-        histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                  self.decode_time)
-        histogram("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
-                  self.inference_time)
-        histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", self.prompt_len)
-        histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", self.generation_len)
-        histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-                  self.max_tokens)
+        histogram("vllm:request_queue_time_seconds",
+                  "Histogram of time spent in WAITING phase for request.", self.queue_time)
+        histogram("vllm:request_prefill_time_seconds",
+                  "Histogram of time spent in PREFILL phase for request.", self.prefill_time)
+        histogram("vllm:request_decode_time_seconds",
+                  "Histogram of time spent in DECODE phase for request.", self.decode_time)
+        histogram("vllm:request_inference_time_seconds",
+                  "Histogram of time spent in RUNNING phase for request.", self.inference_time)
+        histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                  self.prompt_len)
+        histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                  self.generation_len)
+        histogram("vllm:request_params_max_tokens",
+                  "Histogram of the max_tokens request parameter.", self.max_tokens)
         histogram("vllm:request_max_num_generation_tokens",
                   "Histogram of maximum number of requested generation tokens.", self.max_num_gen)
         histogram("vllm:request_params_n", "Histogram of the n request parameter.", self.n_param)
@@ -313,10 +339,14 @@ class ServerMetrics:
 
         # ---- dart_ray: what vLLM has no name for, and the earlier names
         family("dart_ray:spec_decode_tree_nodes", "counter",
-               "Draft tree nodes verified (all branches), speculating lanes.", [(L, sp["tree_nodes"])])
-        family("dart_ray:generation_tokens", "counter", "Tokens generated by the engines.", [(L, gen)])
-        family("dart_ray:prompt_tokens", "counter", "Prompt tokens prefilled by the engines.", [(L, prompt)])
-        family("dart_ray:queue_depth", "gauge", "Requests waiting for a batch row.", [(L, queue_depth)])
+               "Draft tree nodes verified (all branches), speculating lanes.",
+               [(L, sp["tree_nodes"])])
+        family("dart_ray:generation_tokens", "counter", "Tokens generated by the engines.",
+               [(L, gen)])
+        family("dart_ray:prompt_tokens", "counter", "Prompt tokens prefilled by the engines.",
+               [(L, prompt)])
+        family("dart_ray:queue_depth", "gauge", "Requests waiting for a batch row.",
+               [(L, queue_depth)])
         family("dart_ray:num_running", "gauge", "Requests holding a batch row.", [(L, num_running)])
         rows = sp["row_steps"]
         family("dart_ray:mean_accepted_len", "gauge",
@@ -325,14 +355,46 @@ class ServerMetrics:
         family("dart_ray:request_success", "counter", "Finished requests by finish reason.",
                [({**L, "finished_reason": k}, v) for k, v in sorted(self.requests.items())])
         family("dart_ray:request_errors", "counter", "Requests answered with an error, by status.",
-               [({**L, "status": k}, v) for k, v in sorted(self.errors.items())])
-        family("dart_ray:request_aborted", "counter", "Requests aborted because the client went away.",
+               [({**L, "status": k}, v) for k, v in sorted(self.errors.items())]
+               + [({**IL, "status": k}, v) for k, v in ingress_errors])
+        family("dart_ray:request_retries", "counter",
+               "Requests resubmitted to another engine replica after theirs was lost "
+               "before any output.",
+               [(IL, ingress["retries"])] if ingress is not None else [])
+        family("dart_ray:request_aborted", "counter",
+               "Requests aborted because the client went away.",
                [(L, self.aborted)])
         histogram("dart_ray:request_latency_seconds", "End-to-end request latency.", self.latency)
-        histogram("dart_ray:time_to_first_token_seconds", "Time to the first generated token.", self.ttft)
+        histogram("dart_ray:time_to_first_token_seconds", "Time to the first generated token.",
+                  self.ttft)
         if openmetrics:
             out.append("# EOF")
         return "\n".join(out) + "\n"
+
+
+class IngressMetrics:
+    """Counters of one ingress replica (the HTTP side, which holds no engine): error responses by
+    status (every one the server answers, in-band SSE errors included) and transparent retries.
+    They are rendered by the engine replica that serves a scrape (``ServerMetrics.render(...,
+    ingress=snapshot())``), under the ingress replica's own ``replica`` / ``node`` labels."""
+
+    def __init__(self, replica: str | None = None, node: str | None = None) -> None:
+        self.labels: dict[str, str] = {}
+        if replica is not None:
+            self.labels["replica"] = replica
+        if node is not None:
+            self.labels["node"] = node
+        self.errors: dict[str, int] = {}          # HTTP status -> count
+        self.retries = 0
+
+    def error(self, status: int) -> None:
+        self.errors[str(status)] = self.errors.get(str(status), 0) + 1
+
+    def retried(self) -> None:
+        self.retries += 1
+
+    def snapshot(self) -> dict:
+        return {"labels": dict(self.labels), "errors": dict(self.errors), "retries": self.retries}
 
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

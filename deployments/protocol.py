@@ -9,9 +9,9 @@ Supported: ``/v1/completions`` (prompt: string, token ids, or a one-element list
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k`` (vLLM extra), ``seed``, ``stop``
 (string or list), ``stop_token_ids`` / ``ignore_eos`` (vLLM extras), ``stream`` with
 ``stream_options.include_usage``, ``n`` = 1 only, and the extra ``speculative`` field
-(``true``/``false``/``{"method": <one of dart_ray.METHODS>}``). Parameters that would change the output
-in ways the engine cannot honour (logprobs, echo, suffix, penalties, logit_bias, tools, json mode,
-n > 1, best_of > 1) are rejected with 400 rather than silently ignored.
+(``true``/``false``/``{"method": <one of dart_ray.METHODS>}``). Parameters that would change the
+output in ways the engine cannot honour (logprobs, echo, suffix, penalties, logit_bias, tools, json
+mode, n > 1, best_of > 1) are rejected with 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -32,14 +32,20 @@ class APIError(Exception):
     """An error that maps to an HTTP status and an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code = param, code
         self.headers = dict(headers or {})
         """Extra HTTP response headers (e.g. ``Retry-After`` on a 503)."""
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def __reduce__(self):   # pickles whole (the engine deployment sends it to the ingress)
+        return (APIError,
+                (self.status, self.message, self.type, self.param, self.code, self.headers))
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -52,8 +58,8 @@ def bad(message: str, param: str | None = None, code: str | None = "invalid_valu
 
 
 def too_large(limit: int) -> APIError:
-    return APIError(413, f"request body is larger than {limit} bytes (max_body_bytes)", "invalid_request_error",
-                    None, "request_too_large")
+    return APIError(413, f"request body is larger than {limit} bytes (max_body_bytes)",
+                    "invalid_request_error", None, "request_too_large")
 
 
 @dataclass
@@ -87,7 +93,8 @@ def parse_json(raw: bytes) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise bad(f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+        raise bad(f"request body must be a JSON object, got {type(body).__name__}",
+                  code="invalid_json")
     return body
 
 
@@ -162,12 +169,15 @@ def _speculative(body: dict) -> str | None:
     if isinstance(v, dict):
         unknown = set(v) - {"method"}
         if unknown:
-            raise bad(f"'speculative' supports only the key 'method', got {sorted(unknown)}", "speculative")
+            raise bad(f"'speculative' supports only the key 'method', got {sorted(unknown)}",
+                      "speculative")
         m = v.get("method")
         if m not in METHODS:
-            raise bad(f"'speculative.method' must be one of {list(METHODS)}, got {m!r}", "speculative")
+            raise bad(f"'speculative.method' must be one of {list(METHODS)}, got {m!r}",
+                      "speculative")
         return m
-    raise bad("'speculative' must be a boolean or an object {\"method\": ...}", "speculative", "invalid_type")
+    raise bad("'speculative' must be a boolean or an object {\"method\": ...}", "speculative",
+              "invalid_type")
 
 
 def _unsupported(body: dict) -> None:
@@ -184,7 +194,8 @@ def _unsupported(body: dict) -> None:
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise bad(f"'{key}' must be a number", key, "invalid_type")
             if v != neutral:
-                raise bad(f"'{key}' is not supported (lossless speculative decoding of the plain model)",
+                raise bad(f"'{key}' is not supported "
+                          "(lossless speculative decoding of the plain model)",
                           key, "unsupported_value")
     if body.get("logit_bias"):
         raise bad("'logit_bias' is not supported", "logit_bias", "unsupported_value")
@@ -223,7 +234,8 @@ def _common(body: dict, kind: str, prompt, chat: bool, max_tokens: int | None) -
         top_k=max(0, _int(body, "top_k", 0, -1)),          # vLLM: -1 = disabled
         seed=_int(body, "seed", None, 0, (1 << 63) - 1),
         stop=_stop(body),
-        stop_token_ids=tuple(_token_ids(stop_ids, "stop_token_ids")) if stop_ids is not None else (),
+        stop_token_ids=(tuple(_token_ids(stop_ids, "stop_token_ids")) if stop_ids is not None
+                        else ()),
         ignore_eos=_bool(body, "ignore_eos", False),
         stream=stream, include_usage=stream and include_usage,
         speculative=_speculative(body),
@@ -261,14 +273,15 @@ def _message_content(m: dict, i: int) -> str:
     if isinstance(c, list):
         parts = []
         for part in c:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            if isinstance(part, dict) and part.get("type") == "text" \
+                    and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
-                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
-                          "unsupported_value")
+                raise bad(f"messages[{i}].content: only text parts are supported",
+                          f"messages[{i}].content", "unsupported_value")
         return "".join(parts)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content",
-              "invalid_type")
+    raise bad(f"messages[{i}].content must be a string or a list of text parts",
+              f"messages[{i}].content", "invalid_type")
 
 
 def parse_chat(body: dict) -> GenerationRequest:
@@ -287,7 +300,8 @@ def parse_chat(body: dict) -> GenerationRequest:
         if role not in CHAT_ROLES:
             raise bad(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}",
                       f"messages[{i}].role")
-        out.append({"role": "system" if role == "developer" else role, "content": _message_content(m, i)})
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _message_content(m, i)})
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key, None, 1)
     return _common(body, "chat", out, True, max_tokens)
@@ -304,7 +318,7 @@ def prompt_size(req: GenerationRequest) -> tuple[int, int | None]:
     return 0, len(p)
 
 
-# ---- responses ------------------------------------------------------------------------------------
+# ---- responses -----------------------------------------------------------------------------------
 def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
@@ -315,7 +329,8 @@ def usage(num_prompt: int, num_completion: int, stats: dict | None, method: str)
     s = stats or {}
     u["speculative"] = {"method": method,
                         "mean_accepted_len": float(s.get("mean_accepted_len", 0.0)),
-                        "steps": int(s.get("steps", 0)), "draft_tokens": int(s.get("draft_tokens", 0)),
+                        "steps": int(s.get("steps", 0)),
+                        "draft_tokens": int(s.get("draft_tokens", 0)),
                         "accepted_tokens": int(s.get("accepted_tokens", 0)),
                         "accepted_per_depth": list(s.get("accepted_per_depth", []))}
     return u
@@ -329,7 +344,8 @@ def completion_response(req: GenerationRequest, rid: str, created: int, model: s
                              "logprobs": None, "finish_reason": finish_reason}],
                 "usage": use, "system_fingerprint": None}
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "finish_reason": finish_reason}],
             "usage": use, "system_fingerprint": None}
 
 
@@ -342,14 +358,17 @@ def chunk(req: GenerationRequest, rid: str, created: int, model: str, text: str 
         if text is not None:
             delta["content"] = text
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": finish_reason}]}
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                         "finish_reason": finish_reason}]}
 
 
 def usage_chunk(req: GenerationRequest, rid: str, created: int, model: str, use: dict) -> dict:
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": use}
 
 
 def sse(obj) -> bytes:

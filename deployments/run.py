@@ -74,7 +74,8 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None,
 
     if ray_auth is not None:
         os.environ["RAY_AUTH_MODE"] = "token" if ray_auth else "disabled"
-    kw: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": node_ip_address, **init_kw}
+    kw: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": node_ip_address,
+                          **init_kw}
     if num_cpus is not None:
         kw["num_cpus"] = num_cpus
     if temp_dir:
@@ -87,11 +88,12 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None,
     got = ray.util.get_node_ip_address()
     if is_loopback(node_ip_address) and not is_loopback(got):
         ray.shutdown()
-        raise RuntimeError(f"Ray took node address {got}, not {node_ip_address}: its ports would be open to "
-                           "the network. Pass a routable node_ip_address (--ray-node-ip) to accept that.")
+        raise RuntimeError(f"Ray took node address {got}, not {node_ip_address}: its ports would "
+                           "be open to the network. Pass a routable node_ip_address "
+                           "(--ray-node-ip) to accept that.")
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-        logger.warning("Ray token authentication is disabled (RAY_AUTH_MODE=disabled): any local user can "
-                       "run code on this Ray instance%s", "" if is_loopback(got) else
+        logger.warning("Ray token authentication is disabled (RAY_AUTH_MODE=disabled): any local "
+                       "user can run code on this Ray instance%s", "" if is_loopback(got) else
                        f", and anyone who reaches {got}")
     return ctx
 
@@ -107,7 +109,8 @@ def load_serve_config(path: str | os.PathLike | None = None) -> dict:
         cfg = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"{p}: invalid YAML: {e}") from e
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("applications"), list) or not cfg["applications"]:
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("applications"), list) \
+            or not cfg["applications"]:
         raise ValueError(f"{p}: expected a Serve config with a non-empty 'applications' list")
     for i, a in enumerate(cfg["applications"]):
         if not isinstance(a, dict) or not isinstance(a.get("import_path"), str):
@@ -118,7 +121,8 @@ def load_serve_config(path: str | os.PathLike | None = None) -> dict:
 
 
 def build_application(import_path: str, args: dict | None):
-    """``module:attr`` (or ``module.attr``) -> a Serve Application (calling a builder with ``args``)."""
+    """``module:attr`` (or ``module.attr``) -> a Serve Application (calling a builder with
+    ``args``)."""
     from ray.serve import Application
 
     if ":" in import_path:
@@ -133,16 +137,19 @@ def build_application(import_path: str, args: dict | None):
     if callable(target):
         app = target(args or {})
         if not isinstance(app, Application):
-            raise TypeError(f"{import_path}(args) returned {type(app).__name__}, not a serve.Application")
+            raise TypeError(f"{import_path}(args) returned {type(app).__name__}, "
+                            "not a serve.Application")
         return app
     raise TypeError(f"{import_path} is neither a serve.Application nor an application builder")
 
 
-def run_local(config_path: str | os.PathLike | None = None, host: str | None = "127.0.0.1", port: int | None = 8000,
-              temp_dir: str | None = None, blocking: bool = True, overrides: dict[str, Any] | None = None,
+def run_local(config_path: str | os.PathLike | None = None, host: str | None = "127.0.0.1",
+              port: int | None = 8000, temp_dir: str | None = None, blocking: bool = True,
+              overrides: dict[str, Any] | None = None,
               num_cpus: int | None = None, address: str | None = None, ray_auth: bool | None = None,
               node_ip_address: str = LOOPBACK) -> dict:
-    """Start a local Ray (or join ``address``), Serve on ``host:port`` and the config's applications.
+    """Start a local Ray (or join ``address``), Serve on ``host:port`` and the config's
+    applications.
 
     ``overrides`` update every application's ``args``. A Ray started here binds ``node_ip_address``
     (loopback by default), keeps token auth unless ``ray_auth=False`` and runs workers at nice 0
@@ -159,38 +166,45 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
     for a in cfg["applications"]:
         args = dict(a.get("args") or {})
         args.update(overrides or {})
-        apps.append((a.get("name") or "default", a.get("route_prefix", "/"), a["import_path"], args))
+        apps.append((a.get("name") or "default", a.get("route_prefix", "/"), a["import_path"],
+                     args))
 
     import ray
     from ray import serve
 
     if blocking and threading.current_thread() is threading.main_thread() \
             and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)   # started with SIGINT ignored (`cmd &`)
+        # started with SIGINT ignored (`cmd &`)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     started_ray = False
     if address is not None:
         if not ray.is_initialized():
             ray.init(address=address)                      # that cluster's own settings, untouched
     elif not ray.is_initialized():
-        start_local_ray(num_cpus=num_cpus, temp_dir=temp_dir, node_ip_address=node_ip_address, ray_auth=ray_auth)
+        start_local_ray(num_cpus=num_cpus, temp_dir=temp_dir, node_ip_address=node_ip_address,
+                        ray_auth=ray_auth)
         started_ray = True
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run_many([serve.RunTarget(build_application(import_path, args), name=name, route_prefix=prefix)
-                        for name, prefix, import_path, args in apps])          # replicas start in parallel
+        # replicas start in parallel
+        serve.run_many([serve.RunTarget(build_application(import_path, args), name=name,
+                                        route_prefix=prefix)
+                        for name, prefix, import_path, args in apps])
     except BaseException:
         shutdown_local(started_ray)
         raise
     url = f"http://{host}:{port}"
     info = {"url": url, "applications": [n for n, *_ in apps], "started_ray": started_ray}
-    print(f"dart-ray serving {', '.join(info['applications'])} at {url}/v1 (Ctrl-C to stop)", flush=True)
+    print(f"dart-ray serving {', '.join(info['applications'])} at {url}/v1 (Ctrl-C to stop)",
+          flush=True)
     if not blocking:
         return info
 
     stop = threading.Event()
     prev = {}
     if threading.current_thread() is threading.main_thread():
-        # Ctrl-C and SIGTERM both stop cleanly (SIGINT explicitly: a shell may start us with it ignored)
+        # Ctrl-C and SIGTERM both stop cleanly (SIGINT explicitly: a shell may start us
+        # with it ignored)
         for sig in (signal.SIGINT, signal.SIGTERM):
             prev[sig] = signal.signal(sig, lambda *_: stop.set())
     try:

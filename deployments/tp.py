@@ -8,13 +8,15 @@ schedules the replica actor in bundle 0). Inside the replica, :func:`start_tp_gr
 2. forms a torch.distributed group with them (NCCL on CUDA, gloo on CPU) over
    ``tcp://<rank-0 address>:<free port>`` — 127.0.0.1 when every rank is on rank 0's node (always
    with STRICT_PACK), rank 0's node IP otherwise (a PACK/SPREAD group split over nodes);
-3. every rank loads the target and keeps its shard (:func:`dart_ray.parallel.apply_tensor_parallel`),
-   concurrently; the workers then follow rank 0's commands (:func:`dart_ray.parallel.follower_loop`);
+3. every rank loads the target and keeps its shard
+   (:func:`dart_ray.parallel.apply_tensor_parallel`), concurrently; the workers then follow rank 0's
+   commands (:func:`dart_ray.parallel.follower_loop`);
 4. builds rank 0's :class:`~dart_ray.Engine` over the group, with the drafter and tree search in the
    replica process, next to the engine (DART's taps never cross processes).
 
-The returned :class:`TPReplicaGroup` holds the engine and the workers; :meth:`TPReplicaGroup.shutdown`
-releases them. The workers are owned by the replica, so Ray also kills them if the replica dies.
+The returned :class:`TPReplicaGroup` holds the engine and the workers;
+:meth:`TPReplicaGroup.shutdown` releases them. The workers are owned by the replica, so Ray also
+kills them if the replica dies.
 
 Node loss: with STRICT_PACK the whole group lives on one node, so losing the node loses every rank
 at once and Serve re-creates the replica (a new placement group, all N bundles on one node again).
@@ -77,14 +79,17 @@ class TPWorker:
         return ray.util.get_node_ip_address()
 
     def setup(self, init_method: str, timeout_s: float, idle_timeout_s: float) -> dict:
-        self.tp = init_tp_group(self.rank, self.world, init_method, self.config.device, timeout_s, idle_timeout_s)
+        self.tp = init_tp_group(self.rank, self.world, init_method, self.config.device, timeout_s,
+                                idle_timeout_s)
         try:
             self.model = load_shard(self.config, self.tp).model
         except BaseException:
-            self.tp.close()               # rank 0's readiness barrier fails now instead of timing out
+            # rank 0's readiness barrier fails now instead of timing out
+            self.tp.close()
             raise
         plan = self.model.tp_plan
-        return {"rank": self.rank, "pid": os.getpid(), "kv_heads": plan.kv_heads, "q_heads": plan.q_heads}
+        return {"rank": self.rank, "pid": os.getpid(), "kv_heads": plan.kv_heads,
+                "q_heads": plan.q_heads}
 
     def run(self, load_timeout_s: float) -> int:
         """Wait for every rank to be loaded, then execute rank 0's commands; returns their count."""
@@ -105,10 +110,12 @@ class TPReplicaGroup:
     tp: TPGroup
     workers: list = field(default_factory=list)
     runs: list = field(default_factory=list)
-    """ObjectRefs of the workers' :meth:`TPWorker.run` (they resolve when a worker leaves its loop)."""
+    """ObjectRefs of the workers' :meth:`TPWorker.run` (they resolve when a worker leaves its
+    loop)."""
 
     def check_health(self) -> None:
-        """Raise if the group failed or a worker left its loop (died or failed) while it should run."""
+        """Raise if the group failed or a worker left its loop (died or failed) while it should
+        run."""
         if self.engine is not None:
             self.engine.model.check_health()
         if self.runs:
@@ -136,8 +143,9 @@ def _master_addr(workers: list, timeout_s: float) -> str:
     return "127.0.0.1" if all(ip == here for ip in ips) else here
 
 
-def start_tp_group(config: EngineConfig, world: int, placement_group=None, num_cpus_per_worker: float = 1.0,
-                   timeout_s: float = DEFAULT_TIMEOUT_S, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+def start_tp_group(config: EngineConfig, world: int, placement_group=None,
+                   num_cpus_per_worker: float = 1.0, timeout_s: float = DEFAULT_TIMEOUT_S,
+                   load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
                    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> TPReplicaGroup:
     """Make this process rank 0 of a ``world``-rank TP group with worker actors; build its engine.
 
@@ -158,17 +166,20 @@ def start_tp_group(config: EngineConfig, world: int, placement_group=None, num_c
     for r in range(1, world):
         o = dict(opts)
         if placement_group is not None:
-            o["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r)
+            o["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group, placement_group_bundle_index=r)
         workers.append(actor_cls.options(**o).remote(config, r, world))
     tp = None
     try:
         addr = _master_addr(workers, ACTOR_START_TIMEOUT_S)
         init_method = f"tcp://{addr}:{free_port(addr)}"
         setups = [w.setup.remote(init_method, timeout_s, idle_timeout_s) for w in workers]
-        runs = [w.run.remote(load_timeout_s) for w in workers]     # queued behind setup (in-order actors)
+        # queued behind setup (in-order actors)
+        runs = [w.run.remote(load_timeout_s) for w in workers]
         tp = init_tp_group(0, world, init_method, config.device, timeout_s, idle_timeout_s)
         try:
-            engine = build_tp_engine(config, tp, load_timeout_s)   # loads concurrently with the workers
+            # loads concurrently with the workers
+            engine = build_tp_engine(config, tp, load_timeout_s)
         except BaseException:
             ready, _ = ray.wait(setups, num_returns=len(setups), timeout=5.0)
             ray.get(ready)                                        # prefer a worker's own error

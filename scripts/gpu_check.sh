@@ -16,7 +16,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.c
 PY
 export DART_RAY_TEST_DEVICE=cuda
 # exactness on CUDA (fp32 forward vs transformers, engine greedy == AR)
-"$PY" -m pytest -q tests/test_model_forward.py tests/test_engine.py -k "not slow" -x
+"$PY" -m pytest -q tests/models/test_model_forward.py tests/engine/test_engine.py -k "not slow" -x
 # speed: own AR vs transformers generate, and the methods, bf16 on cuda
 "$PY" -m dart_ray.cli bench --prompts humaneval --limit 20 --methods ar,ngram,dart,hf --dtype bf16 \
   --device cuda --max-new-tokens 128 --out "${OUT:-/tmp}/gpu_bench.json" || true

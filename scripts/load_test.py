@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """Load test of a running dart-ray (or any OpenAI-compatible) server with streaming clients.
 
-    python scripts/load_test.py --url http://127.0.0.1:8000 --clients 32 --requests 2 --max-tokens 64
+    python scripts/load_test.py --url http://127.0.0.1:8000 --clients 32 --requests 2 \
+        --max-tokens 64
     # issue 16's load run: 64 streaming clients, then the same with 8 clients sending 1 MB prompts
     python scripts/load_test.py --clients 64 --requests 2 --ignore-eos
-    python scripts/load_test.py --clients 64 --requests 2 --ignore-eos --big-clients 8 --big-prompt-bytes 1000000
+    python scripts/load_test.py --clients 64 --requests 2 --ignore-eos --big-clients 8 \
+        --big-prompt-bytes 1000000
 
 Runs one client alone first (the baseline), then N concurrent clients (threads, each sending
 ``--requests`` streaming requests back to back), and prints throughput (generated tokens/s,
 requests/s) and p50/p99 latency and time-to-first-token for both, plus the error count.
 ``--big-clients`` adds clients that, while the streaming clients run, send prompts of
-``--big-prompt-bytes`` back to back (the server refuses them: 400 ``context_length_exceeded`` or 413);
-their statuses and latencies are reported apart, and the streaming numbers show what they cost
+``--big-prompt-bytes`` back to back (the server refuses them: 400 ``context_length_exceeded`` or
+413); their statuses and latencies are reported apart, and the streaming numbers show what they cost
 the others (largest inter-chunk gap included). Anything else than those refusals (5xx, connection
 errors) counts as an error. Standard library only (urllib + SSE parsing), so it measures the
 server, not a client library.
@@ -61,7 +63,8 @@ def one_request(base: str, i: int, a) -> dict:
     headers = {"Content-Type": "application/json"}
     if a.api_key:
         headers["Authorization"] = f"Bearer {a.api_key}"
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers=headers, method="POST")
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers=headers,
+                                 method="POST")
     t0 = time.perf_counter()
     ttft = None
     tokens = 0
@@ -82,7 +85,8 @@ def one_request(base: str, i: int, a) -> dict:
                     break
                 obj = json.loads(data)
                 if "error" in obj:
-                    return {"ok": False, "error": obj["error"].get("message"), "latency": time.perf_counter() - t0}
+                    return {"ok": False, "error": obj["error"].get("message"),
+                            "latency": time.perf_counter() - t0}
                 if obj.get("choices"):
                     c = obj["choices"][0]
                     text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
@@ -92,12 +96,14 @@ def one_request(base: str, i: int, a) -> dict:
                     tokens = obj["usage"]["completion_tokens"]
     except (urllib.error.URLError, OSError, ValueError) as e:
         return {"ok": False, "error": repr(e), "latency": time.perf_counter() - t0}
-    return {"ok": True, "latency": time.perf_counter() - t0, "ttft": ttft, "tokens": tokens, "max_gap": max_gap}
+    return {"ok": True, "latency": time.perf_counter() - t0, "ttft": ttft, "tokens": tokens,
+            "max_gap": max_gap}
 
 
 def big_prompt(nbytes: int, seed: int) -> str:
     rnd = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "night", "paper", "glass"]
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "night", "paper",
+             "glass"]
     out, n = [], 0
     while n < nbytes:
         w = rnd.choice(words) + str(rnd.randrange(1000))
@@ -108,11 +114,13 @@ def big_prompt(nbytes: int, seed: int) -> str:
 
 def big_request(base: str, prompt: str, a) -> dict:
     """One large non-streaming request; ok = refused as expected (or served)."""
-    body = json.dumps({"prompt": prompt, "max_tokens": 8, **({"model": a.model} if a.model else {})}).encode()
+    body = json.dumps({"prompt": prompt, "max_tokens": 8,
+                       **({"model": a.model} if a.model else {})}).encode()
     headers = {"Content-Type": "application/json"}
     if a.api_key:
         headers["Authorization"] = f"Bearer {a.api_key}"
-    req = urllib.request.Request(base + "/v1/completions", data=body, headers=headers, method="POST")
+    req = urllib.request.Request(base + "/v1/completions", data=body, headers=headers,
+                                 method="POST")
     t0 = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=a.timeout) as r:
@@ -123,7 +131,8 @@ def big_request(base: str, prompt: str, a) -> dict:
         status = e.code
     except (urllib.error.URLError, OSError) as e:
         return {"ok": False, "status": repr(e), "latency": time.perf_counter() - t0}
-    return {"ok": status == 200 or status in BIG_OK, "status": status, "latency": time.perf_counter() - t0}
+    return {"ok": status == 200 or status in BIG_OK, "status": status,
+            "latency": time.perf_counter() - t0}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -190,12 +199,14 @@ def summarize_big(big: list[dict]) -> dict:
 
 def fmt(p: dict) -> str:
     return (f"{p['clients']:>3} clients  {p['requests']:>4} req  {p['errors']} err  "
-            f"{p['tokens_per_s']:8.1f} tok/s  {p['requests_per_s']:6.2f} req/s  "
-            f"latency p50 {p['latency_p50_s']:.2f}s p99 {p['latency_p99_s']:.2f}s  "
-            f"TTFT p50 {p['ttft_p50_s']:.3f}s p99 {p['ttft_p99_s']:.3f}s  max gap {p['max_inter_chunk_gap_s']:.2f}s"
-            + (f"\n          big prompts: {p['big']['requests']} req  {p['big']['unexpected']} unexpected  "
-               f"statuses {p['big']['statuses']}  latency p50 {p['big']['latency_p50_s']:.2f}s "
-               f"p99 {p['big']['latency_p99_s']:.2f}s" if "big" in p else ""))
+            f"{p['tokens_per_s']:8.1f} tok/s  {p['requests_per_s']:6.2f} req/s  latency p50 "
+            f"{p['latency_p50_s']:.2f}s p99 {p['latency_p99_s']:.2f}s  TTFT p50 "
+            f"{p['ttft_p50_s']:.3f}s p99 {p['ttft_p99_s']:.3f}s  max gap "
+            f"{p['max_inter_chunk_gap_s']:.2f}s"
+            + (f"\n          big prompts: {p['big']['requests']} req  {p['big']['unexpected']} "
+               f"unexpected  statuses {p['big']['statuses']}  latency p50 "
+               f"{p['big']['latency_p50_s']:.2f}s p99 {p['big']['latency_p99_s']:.2f}s"
+               if "big" in p else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,14 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--chat", action="store_true")
-    ap.add_argument("--ignore-eos", action="store_true", help="fixed-length outputs (vLLM extra field)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="fixed-length outputs (vLLM extra field)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--big-clients", type=int, default=0,
-                    help="extra clients sending huge prompts back to back during the concurrent phase")
-    ap.add_argument("--big-prompt-bytes", type=int, default=1_000_000, help="size of a huge prompt (characters)")
+                    help="extra clients sending huge prompts back to back during the concurrent "
+                         "phase")
+    ap.add_argument("--big-prompt-bytes", type=int, default=1_000_000,
+                    help="size of a huge prompt (characters)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     a = ap.parse_args(argv)
     base = a.url.rstrip("/")
@@ -227,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     if not a.json:
         print("load      " + fmt(out["concurrent"]), flush=True)
         if "single" in out and out["single"]["tokens_per_s"]:
-            print(f"throughput x{out['concurrent']['tokens_per_s'] / out['single']['tokens_per_s']:.2f} vs one client; "
-                  f"p50 latency x{out['concurrent']['latency_p50_s'] / out['single']['latency_p50_s']:.2f}")
+            print("throughput "
+                  f"x{out['concurrent']['tokens_per_s'] / out['single']['tokens_per_s']:.2f} vs "
+                  "one client; p50 latency "
+                  f"x{out['concurrent']['latency_p50_s'] / out['single']['latency_p50_s']:.2f}")
         for e in out["concurrent"]["error_samples"]:
             print("error:", e, file=sys.stderr)
     else:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""TP=N (NCCL on CUDA, gloo on CPU) greedy outputs must equal TP=1: `python scripts/tp_check.py N [device]`."""
+"""TP=N (NCCL on CUDA, gloo on CPU) greedy outputs must equal TP=1: `python scripts/tp_check.py N
+[device]`."""
 
 import sys
 

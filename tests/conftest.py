@@ -39,7 +39,8 @@ def tiny_hf_config(family: str, **overrides):
     return cfg
 
 
-def make_tiny_checkpoint(out: Path, family: str, tokenizer_dir: Path | None, seed: int = 0, **overrides) -> Path:
+def make_tiny_checkpoint(out: Path, family: str, tokenizer_dir: Path | None, seed: int = 0,
+                         **overrides) -> Path:
     """Save a random HF model of ``family`` (and SmolLM2's tokenizer) into ``out``."""
     from transformers import AutoModelForCausalLM
 
@@ -58,7 +59,8 @@ def make_tiny_checkpoint(out: Path, family: str, tokenizer_dir: Path | None, see
     model.save_pretrained(str(out), safe_serialization=True)
     if tokenizer_dir is not None:
         for f in tokenizer_dir.iterdir():
-            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            if (f.name.startswith("tokenizer")
+                    or f.name in ("special_tokens_map.json", "chat_template.jinja")):
                 shutil.copy(f, out / f.name)
     return out
 
@@ -75,7 +77,8 @@ def smollm_dir() -> Path:
 def tiny_dirs(tmp_path_factory, smollm_dir) -> dict[str, Path]:
     """family -> directory of a tiny random checkpoint with SmolLM2's tokenizer."""
     root = tmp_path_factory.mktemp("tiny")
-    return {fam: make_tiny_checkpoint(root / fam, fam, smollm_dir, seed=i) for i, fam in enumerate(FAMILIES)}
+    return {fam: make_tiny_checkpoint(root / fam, fam, smollm_dir, seed=i)
+            for i, fam in enumerate(FAMILIES)}
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +88,8 @@ def smollm_fp32(smollm_dir):
     return load_target(str(smollm_dir), "fp32", max_seq_len=1024)
 
 
-def save_random_baselines(target, root: Path, seed: int = 0, draft_vocab: int = 4096) -> dict[str, Path]:
+def save_random_baselines(target, root: Path, seed: int = 0,
+                          draft_vocab: int = 4096) -> dict[str, Path]:
     """Random-weight EAGLE / Medusa / SpS drafters for ``target`` (a LoadedTarget), saved under
     ``root``: method -> directory. Used by the exactness tests (any drafter must be lossless)."""
     import torch
@@ -97,13 +101,15 @@ def save_random_baselines(target, root: Path, seed: int = 0, draft_vocab: int = 
     g = torch.Generator().manual_seed(seed)
     args, mid = target.args, target.model_id
     d2t = torch.randperm(args.vocab_size, generator=g)[:draft_vocab].sort().values
-    eagle = DartModel(DartConfig.for_target(args, mid, depth=4, arch="eagle", draft_vocab=draft_vocab,
+    eagle = DartModel(DartConfig.for_target(args, mid, depth=4, arch="eagle",
+                                            draft_vocab=draft_vocab,
                                             tie_head=False)).init_random(seed)
     eagle.d2t.copy_(d2t)
     medusa = MedusaModel(MedusaConfig.for_target(args, mid, depth=4, draft_vocab=draft_vocab))
     medusa.init_from_target(target.model, d2t)
-    sps = SpsModel(SpsConfig.for_target(args, mid, num_layers=1, init_layers=(0,), draft_vocab=draft_vocab,
-                                        max_depth=5)).init_from_target(target.model, d2t)
+    sps_cfg = SpsConfig.for_target(args, mid, num_layers=1, init_layers=(0,),
+                                   draft_vocab=draft_vocab, max_depth=5)
+    sps = SpsModel(sps_cfg).init_from_target(target.model, d2t)
     with torch.no_grad():
         for blk in medusa.blocks:
             blk.weight.normal_(0, 0.05, generator=g)

@@ -7,10 +7,7 @@ import os
 from ray import tune
 
 from tuning.objective import METRIC
-
-
-def _fmt(v) -> str:
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
+from tuning.report import short_number
 
 
 def error_summary(trace: str) -> str:
@@ -38,7 +35,8 @@ def _error_text(trial) -> str:
 class Progress(tune.Callback):
     """One line per finished trial; forwards a failed trial's error text into its Optuna trial."""
 
-    def __init__(self, batch_size: int, target: int, done_before: int, searcher=None, log=print) -> None:
+    def __init__(self, batch_size: int, target: int, done_before: int, searcher=None,
+                 log=print) -> None:
         self.batch_size = batch_size
         self.target = target
         self.n = done_before
@@ -56,17 +54,19 @@ class Progress(tune.Callback):
         tps = r.get(METRIC)
         if status == "complete" and tps is not None:
             self.best = tps if self.best is None else max(self.best, tps)
-        knobs = " ".join(f"{k}={_fmt(v)}" for k, v in sorted(trial.config.items()))
+        knobs = " ".join(f"{k}={short_number(v)}" for k, v in sorted(trial.config.items()))
         msg = f"[bs={self.batch_size}] trial {self.n}/{self.target} {status}"
         if tps is not None:
-            msg += f": {tps:.1f} tok/s, tau {r.get('tau', 0):.2f} ({r.get('prompts_done', 0)} prompts"
+            msg += (f": {tps:.1f} tok/s, tau {r.get('tau', 0):.2f} ({r.get('prompts_done', 0)} "
+                    "prompts")
             if r.get("mean_new_tokens") is not None:
                 msg += f", {r['mean_new_tokens']:.0f} tokens each"
             if r.get("p95_latency_s") is not None:
                 msg += f", p95 {r['p95_latency_s']:.2f} s"
             msg += ")"
             if r.get("load_flag"):
-                msg += f" [UNDER LOAD: AR probe {r.get('load_drift', 0):.0%} slow after a re-run; not chosen]"
+                msg += (f" [UNDER LOAD: AR probe {r.get('load_drift', 0):.0%} slow after a re-run; "
+                        "not chosen]")
             elif r.get("reruns"):
                 msg += " [re-run once: load during the first measurement]"
         if self.best is not None:

@@ -1,4 +1,5 @@
-"""The tuning objective, run inside Ray Tune trial workers (this module imports no Ray at import time).
+"""The tuning objective, run inside Ray Tune trial workers (this module imports no Ray at import
+time).
 
 One trial = one :class:`~dart_ray.DecodingConfig` at one batch size, measured **as it is served**:
 
@@ -24,7 +25,8 @@ One trial = one :class:`~dart_ray.DecodingConfig` at one batch size, measured **
    worker has seen (an idle machine is the fastest state). When a probe is more than
    ``load_threshold`` slower than the reference, the measurement is re-run once (probes again);
    if the machine is still loaded the result carries ``load_flag=True`` and the driver does not
-   pick it as the best trial (see ``tuning.study``). ``load_drift``, ``ar_probe_tps`` and ``reruns`` are always reported.
+   pick it as the best trial (see ``tuning.study``). ``load_drift``, ``ar_probe_tps`` and ``reruns``
+   are always reported.
 
 **Engine reuse.** The engine lives in a module-level cache of the worker process, keyed by the
 structural :class:`~dart_ray.EngineConfig` (everything but the decoding knobs). Tune runs with
@@ -58,10 +60,12 @@ class ExactnessError(RuntimeError):
 
 @dataclass(frozen=True)
 class TrialJob:
-    """Everything a trial needs besides its knobs (shipped to workers once via ``tune.with_parameters``)."""
+    """Everything a trial needs besides its knobs (shipped to workers once via
+    ``tune.with_parameters``)."""
 
     engine: dict
-    """EngineConfig fields (``decoding`` excluded); ``max_batch_size`` covers every tuned batch size."""
+    """EngineConfig fields (``decoding`` excluded); ``max_batch_size`` covers every tuned batch
+    size."""
     batch_size: int
     """Requests kept in flight (continuous batching)."""
     prompts: tuple[str, ...]
@@ -77,13 +81,15 @@ class TrialJob:
     report_every: int = 1
     """Finished requests between incremental reports (ASHA rungs)."""
     check_dtype: str | None = "fp32"
-    """dtype of the exactness check (None or equal to the engine dtype: check on the measuring engine)."""
+    """dtype of the exactness check (None or equal to the engine dtype: check on the measuring
+    engine)."""
     num_threads: int | None = None
     """torch threads of the worker (None: leave as is)."""
     check_max_new_tokens: int | None = None
     """Generated tokens per check prompt (default: ``max_new_tokens``)."""
     ignore_eos: bool = False
-    """False (default): EOS ends an answer, as in serving. True: fixed-length answers (old objective)."""
+    """False (default): EOS ends an answer, as in serving. True: fixed-length answers (old
+    objective)."""
     load_probe_tokens: int = 16
     """Tokens of the AR load probe before and after each measurement (0 disables load detection)."""
     load_threshold: float = 0.15
@@ -102,7 +108,8 @@ class TrialJob:
         return SamplingParams(max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos)
 
     def check_params(self) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.check_max_new_tokens or self.max_new_tokens, ignore_eos=True)
+        return SamplingParams(max_new_tokens=self.check_max_new_tokens or self.max_new_tokens,
+                              ignore_eos=True)
 
 
 @dataclass
@@ -140,13 +147,15 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def stream_workload(engine: Engine, prompts: Sequence[str], batch_size: int, params: SamplingParams,
-                    chat: bool = False, on_progress: Callable[[StreamResult, int], None] | None = None,
+                    chat: bool = False,
+                    on_progress: Callable[[StreamResult, int], None] | None = None,
                     report_every: int = 1) -> StreamResult:
     """Decode ``prompts`` keeping at most ``batch_size`` in flight (a prompt joins as soon as one
     finishes). ``on_progress(result_so_far, done)`` runs after every ``report_every`` finished
     requests and after the last one; its own run time is excluded from seconds and latencies."""
     if batch_size > engine.max_batch:
-        raise ValueError(f"batch size {batch_size} exceeds the engine's max_batch_size {engine.max_batch}")
+        raise ValueError(f"batch size {batch_size} exceeds the engine's max_batch_size "
+                         f"{engine.max_batch}")
     pending = deque(enumerate(prompts))
     index: dict[str, int] = {}
     res = StreamResult([[] for _ in prompts], 0, 0.0, [0.0] * len(prompts), [None] * len(prompts))
@@ -226,7 +235,8 @@ class LoadProbe:
 class WorkerState:
     """A worker's long-lived engines: the measuring engine, and the exactness-check pair."""
 
-    def __init__(self, cfg: EngineConfig, check_dtype: str | None = "fp32", check_batch: int = 4) -> None:
+    def __init__(self, cfg: EngineConfig, check_dtype: str | None = "fp32",
+                 check_batch: int = 4) -> None:
         from dart_ray.drafters import NoDrafter, make_drafter
         from dart_ray.models import load_target
 
@@ -234,13 +244,15 @@ class WorkerState:
         self.engine = Engine.from_config(cfg)
         cfg = self.engine.config                      # dtype "auto" resolved for this machine
         if check_dtype and check_dtype != cfg.dtype:
-            ccfg = cfg.replace(dtype=check_dtype, max_batch_size=max(1, min(check_batch, cfg.max_batch_size)))
+            ccfg = cfg.replace(dtype=check_dtype,
+                               max_batch_size=max(1, min(check_batch, cfg.max_batch_size)))
             target = load_target(ccfg.model, ccfg.dtype, ccfg.device, ccfg.max_seq_len)
             self.check_engine = Engine(target, make_drafter(ccfg, target), ccfg)
         else:
             ccfg = cfg
             self.check_engine = self.engine
-        self.ar = Engine(self.check_engine.target, NoDrafter(), ccfg.replace(method="none", max_batch_size=1))
+        self.ar = Engine(self.check_engine.target, NoDrafter(),
+                         ccfg.replace(method="none", max_batch_size=1))
         self._ar_cache: dict[tuple, list[int]] = {}
         self._probe_engine: Engine | None = self.ar if self.check_engine is self.engine else None
         self.probe = LoadProbe()
@@ -265,8 +277,10 @@ class WorkerState:
     def check_batch(self) -> int:
         return self.check_engine.max_batch
 
-    def ar_reference(self, prompts: Sequence[str], params: SamplingParams, chat: bool) -> list[list[int]]:
-        """Plain AR greedy outputs (batch 1), computed once per (prompt, length, chat) per worker."""
+    def ar_reference(self, prompts: Sequence[str], params: SamplingParams,
+                     chat: bool) -> list[list[int]]:
+        """Plain AR greedy outputs (batch 1), computed once per (prompt, length, chat) per
+        worker."""
         out = []
         for p in prompts:
             key = (p, params.max_new_tokens, params.ignore_eos, chat)
@@ -284,20 +298,23 @@ class WorkerState:
         eng = self.check_engine
         eng.set_decoding(decoding)
         got, _, _ = stream_batched(eng, prompts, min(batch_size, eng.max_batch), params, chat)
-        bad = [i for i, (a, b) in enumerate(zip(got, ref)) if a != b]
+        bad = [i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b]
         if bad:
             i = bad[0]
-            pos = next((k for k, (x, y) in enumerate(zip(got[i], ref[i])) if x != y), min(len(got[i]), len(ref[i])))
+            pos = next((k for k, (x, y) in enumerate(zip(got[i], ref[i], strict=False)) if x != y),
+                       min(len(got[i]), len(ref[i])))
             raise ExactnessError(
-                f"decoding config breaks exactness: {len(bad)}/{len(prompts)} check prompts differ from AR "
-                f"(first at prompt {i}, token {pos}) with batch size {batch_size}, config {decoding.to_dict()}")
+                f"decoding config breaks exactness: {len(bad)}/{len(prompts)} check prompts differ "
+                f"from AR (first at prompt {i}, token {pos}) with batch size {batch_size}, config "
+                f"{decoding.to_dict()}")
 
 
 _STATE: dict = {}
 
 
 def worker_state(cfg: EngineConfig, check_dtype: str | None, check_batch: int) -> WorkerState:
-    """The process-wide WorkerState for ``cfg`` (built on first use; rebuilt only if ``cfg`` changes)."""
+    """The process-wide WorkerState for ``cfg`` (built on first use; rebuilt only if ``cfg``
+    changes)."""
     key = (dataclasses.replace(cfg, decoding=DecodingConfig()), check_dtype, check_batch)
     if _STATE.get("key") != key:
         _STATE.pop("state", None)
@@ -310,7 +327,8 @@ def worker_state(cfg: EngineConfig, check_dtype: str | None, check_batch: int) -
 
 def _measure(state: WorkerState, decoding: DecodingConfig, job: TrialJob,
              report: Callable[[dict], None] | None) -> dict:
-    """One throughput measurement of ``decoding``; incremental (non-final) results go to ``report``."""
+    """One throughput measurement of ``decoding``; incremental (non-final) results go to
+    ``report``."""
     eng = state.engine
     eng.set_decoding(decoding)
     eng.reset_stats()
@@ -323,7 +341,8 @@ def _measure(state: WorkerState, decoding: DecodingConfig, job: TrialJob,
         if report is not None and done < n:
             report(dict(last))
 
-    stream_workload(eng, job.prompts, job.batch_size, job.params(), job.chat, progress, job.report_every)
+    stream_workload(eng, job.prompts, job.batch_size, job.params(), job.chat, progress,
+                    job.report_every)
     return last
 
 
@@ -331,11 +350,11 @@ def _metrics(eng: Engine, job: TrialJob, res: StreamResult, done: int, n: int) -
     st = eng.stats()
     finished = [r for r in res.finish_reasons if r is not None]
     return {METRIC: res.tokens_per_s, P95_METRIC: res.p95_latency_s if finished else None,
-            "tau": st.mean_accepted_len, "prompts_done": done, "tokens": res.tokens, "seconds": res.seconds,
-            "mean_new_tokens": res.tokens / max(done, 1), "eos_finished": sum(r == "stop" for r in finished),
-            "complete": done == n, "batch_size": job.batch_size,
-            "worker_pid": os.getpid(), "engine_builds": _STATE.get("builds", 0),
-            "engine_uses": _STATE.get("uses", 0),
+            "tau": st.mean_accepted_len, "prompts_done": done, "tokens": res.tokens,
+            "seconds": res.seconds, "mean_new_tokens": res.tokens / max(done, 1),
+            "eos_finished": sum(r == "stop" for r in finished), "complete": done == n,
+            "batch_size": job.batch_size, "worker_pid": os.getpid(),
+            "engine_builds": _STATE.get("builds", 0), "engine_uses": _STATE.get("uses", 0),
             **{f"{k}_ms": v for k, v in st.time_split_ms().items()}}
 
 

@@ -7,14 +7,19 @@ import warnings
 from pathlib import Path
 
 
+def short_number(v) -> str:
+    """A number for a log line: floats to 3 significant digits, anything else as is."""
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
 def _f(v, nd=1) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
 
 def format_summary(results, space) -> str:
     """Markdown table: per batch size, default vs best on the held-out split, plus changed knobs."""
-    rows = [("| batch | trials (ok/pruned/err/intr/load) | default tok/s | tuned tok/s | gain | tau def -> tuned "
-             "| p95 s def -> tuned | chosen | changed knobs |"),
+    rows = [("| batch | trials (ok/pruned/err/intr/load) | default tok/s | tuned tok/s | gain | "
+             "tau def -> tuned | p95 s def -> tuned | chosen | changed knobs |"),
             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         c = r.counts
@@ -23,11 +28,13 @@ def format_summary(results, space) -> str:
             diffs = [f"{k}={_v(r.best_params[k])}" for k in space.names
                      if k in r.best_params and _v(r.best_params[k]) != _v(r.default_params.get(k))]
             changed = ", ".join(diffs) or "(none)"
-        gain = "-" if r.default_tps is None or r.best_tps is None else f"{r.best_tps / r.default_tps:.2f}x"
-        rows.append(f"| {r.batch_size} | {c['complete']}/{c['pruned']}/{c['failed']}/{c['interrupted']}"
-                    f"/{c.get('load_flagged', 0)} | {_f(r.default_tps)} | {_f(r.best_tps)} | {gain} "
-                    f"| {_f(r.tau_default, 2)} -> {_f(r.tau_best, 2)} | {_f(r.default_p95, 2)} -> {_f(r.best_p95, 2)} "
-                    f"| {r.chosen} | {changed} |")
+        gain = ("-" if r.default_tps is None or r.best_tps is None
+                else f"{r.best_tps / r.default_tps:.2f}x")
+        trials = (f"{c['complete']}/{c['pruned']}/{c['failed']}/{c['interrupted']}"
+                  f"/{c.get('load_flagged', 0)}")
+        rows.append(f"| {r.batch_size} | {trials} | {_f(r.default_tps)} | {_f(r.best_tps)} | "
+                    f"{gain} | {_f(r.tau_default, 2)} -> {_f(r.tau_best, 2)} | "
+                    f"{_f(r.default_p95, 2)} -> {_f(r.best_p95, 2)} | {r.chosen} | {changed} |")
     notes = [f"- bs {r.batch_size}: {r.note}" for r in results if r.note]
     return "\n".join(rows + (["", *notes] if notes else []))
 
@@ -36,7 +43,8 @@ def _v(x):
     return round(x, 3) if isinstance(x, float) else x
 
 
-def write_plots(studies: dict, out: Path, chosen: dict | None = None, p95_bounds: dict | None = None) -> list[Path]:
+def write_plots(studies: dict, out: Path, chosen: dict | None = None,
+                p95_bounds: dict | None = None) -> list[Path]:
     """``<out stem>.history.png`` and ``<out stem>.importance.png`` (one panel per batch size), and
     ``<out stem>.pareto.png`` when the studies are two-objective (``chosen``: batch size -> the
     chosen trial number; ``p95_bounds``: batch size -> the latency bound, drawn as a line)."""
@@ -58,30 +66,37 @@ def write_plots(studies: dict, out: Path, chosen: dict | None = None, p95_bounds
     for i, b in enumerate(sizes):
         ax = fig.add_subplot(1, n, i + 1)
         trials = studies[b].get_trials(deepcopy=False)
-        comp = [(t.number, throughput(t)) for t in trials if t.state == TrialState.COMPLETE and t.values]
+        comp = [(t.number, throughput(t)) for t in trials if t.state == TrialState.COMPLETE
+                and t.values]
         pruned = [(t.number, t.intermediate_values[max(t.intermediate_values)])
                   for t in trials if t.state == TrialState.PRUNED and t.intermediate_values]
-        failed = [t.number for t in trials if t.state == TrialState.FAIL and not t.user_attrs.get("interrupted")]
+        failed = [t.number for t in trials if t.state == TrialState.FAIL
+                  and not t.user_attrs.get("interrupted")]
         default = [(t.number, throughput(t)) for t in trials
-                   if t.user_attrs.get("is_default") and t.state == TrialState.COMPLETE and t.values]
+                   if t.user_attrs.get("is_default") and t.state == TrialState.COMPLETE
+                   and t.values]
         flagged = [(t.number, throughput(t)) for t in trials
                    if t.user_attrs.get("load_flag") and t.state == TrialState.COMPLETE and t.values]
         if comp:
-            ax.scatter(*zip(*comp), s=22, color="tab:blue", label="complete", zorder=3)
+            ax.scatter(*zip(*comp, strict=True), s=22, color="tab:blue", label="complete", zorder=3)
             best, line = float("-inf"), []
             for num, val in sorted(comp):
                 best = max(best, val)
                 line.append((num, best))
-            ax.step(*zip(*line), where="post", color="tab:orange", label="best so far")
+            ax.step(*zip(*line, strict=True), where="post", color="tab:orange", label="best so far")
         if pruned:
-            ax.scatter(*zip(*pruned), s=18, color="0.6", marker="v", label="stopped early (ASHA)", zorder=2)
+            ax.scatter(*zip(*pruned, strict=True), s=18, color="0.6", marker="v",
+                       label="stopped early (ASHA)", zorder=2)
         if default:
-            ax.scatter(*zip(*default), s=120, marker="*", color="tab:green", label="default", zorder=4)
+            ax.scatter(*zip(*default, strict=True), s=120, marker="*", color="tab:green",
+                       label="default", zorder=4)
         if flagged:
-            ax.scatter(*zip(*flagged), s=60, facecolors="none", edgecolors="tab:red", label="under load", zorder=5)
+            ax.scatter(*zip(*flagged, strict=True), s=60, facecolors="none", edgecolors="tab:red",
+                       label="under load", zorder=5)
         if failed:
             lo = min([v for _, v in comp + pruned], default=0.0)
-            ax.scatter(failed, [lo] * len(failed), marker="x", color="tab:red", label="error", zorder=4)
+            ax.scatter(failed, [lo] * len(failed), marker="x", color="tab:red", label="error",
+                       zorder=4)
         ax.set_title(f"batch size {b}")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("trial")
@@ -111,11 +126,13 @@ def write_plots(studies: dict, out: Path, chosen: dict | None = None, p95_bounds
     fig.savefig(imp)
     paths = [hist, imp]
     if any(len(studies[b].directions) > 1 for b in sizes):
-        paths.append(write_pareto_plot(studies, out.with_name(out.stem + ".pareto.png"), chosen, p95_bounds))
+        paths.append(write_pareto_plot(studies, out.with_name(out.stem + ".pareto.png"), chosen,
+                                       p95_bounds))
     return paths
 
 
-def write_pareto_plot(studies: dict, path: Path, chosen: dict | None = None, p95_bounds: dict | None = None) -> Path:
+def write_pareto_plot(studies: dict, path: Path, chosen: dict | None = None,
+                      p95_bounds: dict | None = None) -> Path:
     """Tokens/s vs p95 request latency of every complete trial, the Pareto front as a line, the
     default and the chosen point marked, load-flagged trials circled; one panel per batch size."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -128,23 +145,28 @@ def write_pareto_plot(studies: dict, path: Path, chosen: dict | None = None, p95
     FigureCanvasAgg(fig)
     for i, b in enumerate(sizes):
         ax = fig.add_subplot(1, len(sizes), i + 1)
-        every = [t for t in complete_trials(studies[b], include_flagged=True) if p95_latency(t) is not None]
+        every = [t for t in complete_trials(studies[b], include_flagged=True)
+                 if p95_latency(t) is not None]
         pts = [(p95_latency(t), throughput(t)) for t in every]
         if pts:
-            ax.scatter(*zip(*pts), s=22, color="tab:blue", label="complete", zorder=3)
+            ax.scatter(*zip(*pts, strict=True), s=22, color="tab:blue", label="complete", zorder=3)
         front = [(p95_latency(t), throughput(t)) for t in pareto_front(complete_trials(studies[b]))]
         if front:
-            ax.step(*zip(*sorted(front)), where="post", color="tab:orange", label="Pareto front", zorder=2)
-        marks = [("is_default", "*", "tab:green", "default"), ("load_flag", "o", "tab:red", "under load")]
+            ax.step(*zip(*sorted(front), strict=True), where="post", color="tab:orange",
+                    label="Pareto front", zorder=2)
+        marks = [("is_default", "*", "tab:green", "default"),
+                 ("load_flag", "o", "tab:red", "under load")]
         for attr, marker, color, label in marks:
             sel = [(p95_latency(t), throughput(t)) for t in every if t.user_attrs.get(attr)]
             if sel:
                 face = color if marker == "*" else "none"
-                ax.scatter(*zip(*sel), s=120 if marker == "*" else 60, marker=marker, facecolors=face,
-                           edgecolors=color, label=label, zorder=4)
-        pick = [(p95_latency(t), throughput(t)) for t in every if chosen and t.number == chosen.get(b)]
+                ax.scatter(*zip(*sel, strict=True), s=120 if marker == "*" else 60, marker=marker,
+                           facecolors=face, edgecolors=color, label=label, zorder=4)
+        pick = [(p95_latency(t), throughput(t)) for t in every if chosen and t.number
+                == chosen.get(b)]
         if pick:
-            ax.scatter(*zip(*pick), s=140, marker="D", facecolors="none", edgecolors="black", label="chosen", zorder=5)
+            ax.scatter(*zip(*pick, strict=True), s=140, marker="D", facecolors="none",
+                       edgecolors="black", label="chosen", zorder=5)
         bound = (p95_bounds or {}).get(b)
         if bound is not None:
             ax.axvline(bound, color="0.4", linestyle="--", linewidth=1, label="p95 bound")
@@ -169,7 +191,8 @@ def _importances(study) -> tuple[dict, str]:
         return {}, f"needs >= 3 completed trials\n(have {len(done)})"
     if len({t.values[0] for t in done if t.values}) < 2:
         return {}, "all completed trials scored the same"
-    try:   # multi-objective studies: importance for throughput (negated: the evaluator minimises a target)
+    # multi-objective studies: importance for throughput (negated: the evaluator minimises a target)
+    try:
         target = (lambda t: -t.values[0]) if len(study.directions) > 1 else None
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*low `target` values.*")

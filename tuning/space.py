@@ -2,8 +2,9 @@
 
 Every dimension is a typed :class:`Param` (int or float, optionally log-scaled) whose range lies
 inside what ``DecodingConfig`` validates, so any point of the space — sampled by Optuna, by
-:meth:`SearchSpace.sample`, or enqueued by hand — maps to a valid config. The chunk length is
-capped to the drafter's trained depth (``engine.drafter.max_depth``).
+:meth:`SearchSpace.sample`, or enqueued by hand — maps to a valid config. Dimensions are named like
+the ``DecodingConfig`` fields; ``draft_depth`` is capped to the drafter's trained depth
+(``engine.drafter.max_draft_depth``).
 
 Knobs a method does not read are left out of its space (the N-gram-only drafter ignores the
 draft-logit scoring knobs; without an N-gram model the N-gram weight and count threshold do
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 
 from dart_ray import DecodingConfig
 
-MAX_CHUNK_LEN = 16
-"""Upper end of the chunk-length range even when the drafter could go deeper (N-gram drafter: 32)."""
+MAX_DRAFT_DEPTH = 16
+"""Upper end of the ``draft_depth`` range even when the drafter could go deeper (N-gram drafter:
+32)."""
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,12 @@ class Param:
 
         if self.kind == "int":
             return optuna.distributions.IntDistribution(int(self.low), int(self.high), log=self.log)
-        return optuna.distributions.FloatDistribution(float(self.low), float(self.high), log=self.log)
+        return optuna.distributions.FloatDistribution(float(self.low), float(self.high),
+                                                      log=self.log)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "low": self.low, "high": self.high, "log": self.log}
+        return {"name": self.name, "kind": self.kind, "low": self.low, "high": self.high,
+                "log": self.log}
 
 
 @dataclass(frozen=True)
@@ -86,37 +90,50 @@ class SearchSpace:
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def for_drafter(cls, method: str, max_depth: int, has_ngram: bool = True,
+    def for_drafter(cls, method: str, max_draft_depth: int, has_ngram: bool = True,
                     base: DecodingConfig | None = None) -> SearchSpace:
-        """The default space for ``method`` (dart, eagle, medusa, sps or ngram) and a drafter of ``max_depth``."""
+        """The default space for ``method`` (dart, eagle, medusa, sps or ngram) and a drafter whose
+        trained depth is ``max_draft_depth``."""
         base = base or DecodingConfig()
-        if max_depth < 1:
-            raise ValueError(f"drafter max_depth must be >= 1, got {max_depth} (method 'none' has nothing to tune)")
-        d_hi = min(max_depth, MAX_CHUNK_LEN)
+        if max_draft_depth < 1:
+            raise ValueError(f"drafter max_draft_depth must be >= 1, got {max_draft_depth} "
+                             "(method 'none' has nothing to tune)")
+        d_hi = min(max_draft_depth, MAX_DRAFT_DEPTH)
         d_lo = min(2, d_hi)
-        chunk = Param("chunk_len", "int", d_lo, d_hi, help="draft depth used (<= trained depth)")
+        depth = Param("draft_depth", "int", d_lo, d_hi,
+                      help="positions drafted per step (<= trained depth)")
         budget = Param("tree_budget", "int", 4, 128, log=True, help="draft nodes per tree")
         min_count = Param("ngram_min_count", "int", 1, 8, log=True, help="N-gram count threshold")
         if method in ("dart", "medusa", "eagle"):
-            ps = [chunk,
+            ps = [depth,
                   Param("top_k", "int", 2, 64, log=True, help="candidates per level"),
-                  Param("beam_width", "int", 1, 48, log=True, help="beams kept per level (tree width)"),
+                  Param("beam_width", "int", 1, 48, log=True,
+                        help="beams kept per level (tree width)"),
                   budget]
             if has_ngram:
-                ps += [Param("ngram_weight", "float", 0.0, 1.5, help="weight of ln p_ngram"), min_count]
+                ps += [Param("ngram_weight", "float", 0.0, 1.5, help="weight of ln p_ngram"),
+                       min_count]
             ps += [Param("level_weight_exp", "float", 0.0, 1.5, help="level weight (l+1)^-a"),
                    Param("logit_weight_base", "float", 0.5, 1.0, help="draft-logit weight b^l")]
             if method == "dart":
-                ps += [Param("lookup_paths", "int", 0, 8, help="prompt-lookup paths merged into the tree"),
-                       Param("lookup_len", "int", 2, 16, log=True, help="tokens per lookup path (any drafter depth)"),
-                       Param("lookup_min_match", "int", 1, 3, help="shortest suffix match for a lookup path")]
-            if method == "eagle":  # no N-gram term and no level weighting: cumulative draft confidence only
-                ps = [chunk, Param("top_k", "int", 2, 16, log=True, help="children per expanded node"),
-                      Param("beam_width", "int", 1, 16, log=True, help="nodes expanded per level"), budget]
+                ps += [Param("lookup_paths", "int", 0, 8,
+                             help="prompt-lookup paths merged into the tree"),
+                       Param("lookup_len", "int", 2, 16, log=True,
+                             help="tokens per lookup path (any drafter depth)"),
+                       Param("lookup_min_match", "int", 1, 3,
+                             help="shortest suffix match for a lookup path")]
+            # no N-gram term and no level weighting: cumulative draft confidence only
+            if method == "eagle":
+                ps = [depth,
+                      Param("top_k", "int", 2, 16, log=True, help="children per expanded node"),
+                      Param("beam_width", "int", 1, 16, log=True, help="nodes expanded per level"),
+                      budget]
         elif method == "sps":
-            ps = [Param("chunk_len", "int", 1, d_hi, help="draft chain length (gamma)")]
+            ps = [Param("draft_depth", "int", 1, d_hi,
+                        help="draft chain length (the papers' gamma)")]
         elif method == "ngram":
-            ps = [chunk, Param("beam_width", "int", 1, 32, log=True, help="continuations kept"), budget]
+            ps = [depth, Param("beam_width", "int", 1, 32, log=True, help="continuations kept"),
+                  budget]
             if has_ngram:
                 ps.append(min_count)
         else:
@@ -128,7 +145,7 @@ class SearchSpace:
         """The default space for a loaded engine's drafter."""
         drafter = engine.drafter
         has_ngram = getattr(drafter, "ngram", None) is not None
-        return cls.for_drafter(drafter.name, drafter.max_depth, has_ngram, base)
+        return cls.for_drafter(drafter.name, drafter.max_draft_depth, has_ngram, base)
 
     # ---- points ---------------------------------------------------------------------------
     @property
@@ -147,7 +164,8 @@ class SearchSpace:
         return {p.name: p.sample(rng) for p in self.params}
 
     def to_config(self, point: dict) -> DecodingConfig:
-        """A validated DecodingConfig: the base with ``point`` applied (values clipped to the space)."""
+        """A validated DecodingConfig: the base with ``point`` applied (values clipped to the
+        space)."""
         by = {p.name: p for p in self.params}
         unknown = set(point) - set(by)
         if unknown:

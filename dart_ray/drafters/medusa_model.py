@@ -38,7 +38,7 @@ class MedusaConfig:
     target_vocab: int
     target_layers: int
     depth: int = 4
-    """Number of heads K = levels drafted per step."""
+    """Number of heads K = trained depth (the drafter's ``max_draft_depth``)."""
     draft_vocab: int = 8192
     """Size of the shared reduced output vocabulary (id map ``d2t`` stored)."""
     rms_norm_eps: float = 1e-5
@@ -48,7 +48,8 @@ class MedusaConfig:
         if not 1 <= self.depth <= 16:
             raise ValueError(f"depth must be in [1, 16], got {self.depth}")
         if not 1 <= self.draft_vocab <= self.target_vocab:
-            raise ValueError(f"draft_vocab must be in [1, {self.target_vocab}], got {self.draft_vocab}")
+            raise ValueError(f"draft_vocab must be in [1, {self.target_vocab}], got "
+                             f"{self.draft_vocab}")
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -56,16 +57,17 @@ class MedusaConfig:
         return (self.target_layers,)
 
     @classmethod
-    def for_target(cls, args: ModelArgs, target_id: str, **kw) -> "MedusaConfig":
-        return cls(target_id=target_id, target_hidden=args.hidden_size, target_vocab=args.vocab_size,
-                   target_layers=args.num_layers, rms_norm_eps=args.rms_norm_eps, **kw)
+    def for_target(cls, args: ModelArgs, target_id: str, **kw) -> MedusaConfig:
+        return cls(target_id=target_id, target_hidden=args.hidden_size,
+                   target_vocab=args.vocab_size, target_layers=args.num_layers,
+                   rms_norm_eps=args.rms_norm_eps, **kw)
 
     def check_target(self, args: ModelArgs, target_id: str) -> None:
         got = (self.target_hidden, self.target_vocab, self.target_layers, self.target_id)
         want = (args.hidden_size, args.vocab_size, args.num_layers, target_id)
         if got != want:
-            raise ValueError(f"Medusa heads do not match the target: trained for (hidden, vocab, layers, id) "
-                             f"{got}, target is {want}")
+            raise ValueError("Medusa heads do not match the target: trained for (hidden, vocab, "
+                             f"layers, id) {got}, target is {want}")
 
 
 class MedusaModel(nn.Module):
@@ -78,9 +80,9 @@ class MedusaModel(nn.Module):
         self.head = nn.Linear(H, cfg.draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))
 
-    def init_from_target(self, target, d2t: torch.Tensor) -> "MedusaModel":
-        """Norm = the target's final norm, head = the target's head rows ``d2t``, blocks start at zero
-        (so every head starts as the target's own next-token prediction)."""
+    def init_from_target(self, target, d2t: torch.Tensor) -> MedusaModel:
+        """Norm = the target's final norm, head = the target's head rows ``d2t``, blocks start at
+        zero (so every head starts as the target's own next-token prediction)."""
         with torch.no_grad():
             self.d2t.copy_(d2t)
             self.norm.weight.copy_(target.norm.weight.float())
@@ -101,5 +103,7 @@ class MedusaModel(nn.Module):
         save_drafter(self, self.cfg, path, CONFIG_FILE)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "MedusaModel":
-        return load_drafter(cls, MedusaConfig, path, CONFIG_FILE, FORMAT_VERSION, "Medusa heads", dtype, device)
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+             device="cpu") -> MedusaModel:
+        return load_drafter(cls, MedusaConfig, path, CONFIG_FILE, FORMAT_VERSION, "Medusa heads",
+                            dtype, device)

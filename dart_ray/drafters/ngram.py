@@ -3,7 +3,7 @@
 For each row, the trailing ``k`` tokens (k = max_match .. min_match) of committed text + root are
 searched for earlier occurrences in the same sequence; the tokens that followed each occurrence
 (most recent first) are candidate continuations. Up to ``beam_width`` distinct continuations of at
-most ``chunk_len`` tokens are merged into a trie (shared prefixes become one path) and cut to
+most ``draft_depth`` tokens are merged into a trie (shared prefixes become one path) and cut to
 ``tree_budget`` nodes. If nothing matches and a corpus N-gram model is loaded, a greedy chain of
 its most likely next tokens is proposed instead.
 """
@@ -13,19 +13,21 @@ from __future__ import annotations
 import numpy as np
 
 from dart_ray.drafters.base import BatchView, Drafter
-from dart_ray.tree import TokenTree, pack_trees
+from dart_ray.tree import TokenTree, pack_trees, trie_from_paths
 
 
 def lookup_continuations(seq: np.ndarray, depth: int, max_cands: int, max_match: int = 3,
                          min_match: int = 1) -> list[list[int]]:
-    """Distinct continuations (most recent match first) of the suffix of ``seq`` found earlier in ``seq``."""
+    """Distinct continuations (most recent match first) of the suffix of ``seq`` found earlier in
+    ``seq``."""
     n = len(seq)
     out: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
     for k in range(min(max_match, n - 1), min_match - 1, -1):
         suffix = seq[n - k:]
-        windows = np.lib.stride_tricks.sliding_window_view(seq[: n - 1], k)   # [n-k, k], excludes the suffix itself
-        hits = np.nonzero((windows == suffix).all(axis=1))[0]                  # window start indices
+        # [n-k, k]: every earlier window of length k (excludes the suffix itself)
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: n - 1], k)
+        hits = np.nonzero((windows == suffix).all(axis=1))[0]  # window start indices
         for start in hits[::-1]:
             cont = seq[start + k: start + k + depth]
             if len(cont) == 0:
@@ -42,30 +44,9 @@ def lookup_continuations(seq: np.ndarray, depth: int, max_cands: int, max_match:
     return out
 
 
-def trie_from_paths(paths: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
-    """Merge token paths into a trie; nodes in insertion order (parents precede children), <= budget."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    children: dict[tuple[int, int], int] = {}
-    for path in paths:
-        node = 0
-        for tok in path:
-            key = (node, tok)
-            nxt = children.get(key)
-            if nxt is None:
-                if len(tokens) >= budget:
-                    break
-                tokens.append(tok)
-                parents.append(node)
-                nxt = len(tokens)
-                children[key] = nxt
-            node = nxt
-    return tokens, parents
-
-
 class NGramDrafter(Drafter):
     name = "ngram"
-    max_depth = 32
+    max_draft_depth = 32
 
     def __init__(self, ngram_model=None, max_match: int = 3, min_match: int = 1) -> None:
         super().__init__()
@@ -74,14 +55,15 @@ class NGramDrafter(Drafter):
         self.min_match = min_match
 
     def propose(self, view: BatchView) -> TokenTree:
-        cfg = view.decoding
-        depth = min(cfg.chunk_len, self.max_depth)
+        decoding = view.decoding
+        depth = min(decoding.draft_depth, self.max_draft_depth)
         trees = []
         for seq in view.sequences():
-            paths = lookup_continuations(seq, depth, cfg.beam_width, self.max_match, self.min_match)
+            paths = lookup_continuations(seq, depth, decoding.beam_width, self.max_match,
+                                         self.min_match)
             if not paths and self.ngram is not None:
-                paths = [self._corpus_chain(seq, depth, cfg.ngram_min_count)]
-            trees.append(trie_from_paths(paths, cfg.tree_budget))
+                paths = [self._corpus_chain(seq, depth, decoding.ngram_min_count)]
+            trees.append(trie_from_paths(paths, decoding.tree_budget))
         return pack_trees(view.roots, trees)
 
     def _corpus_chain(self, seq: np.ndarray, depth: int, min_count: int) -> list[int]:
@@ -90,7 +72,8 @@ class NGramDrafter(Drafter):
         ctx = [-1] * (order - 1 - len(ctx)) + [int(t) for t in ctx]
         chain: list[int] = []
         for _ in range(depth):
-            toks, probs = self.ngram.top_next(np.array([ctx], dtype=np.int64), 1, min_count=min_count)
+            toks, probs = self.ngram.top_next(np.array([ctx], dtype=np.int64), 1,
+                                              min_count=min_count)
             if toks[0, 0] < 0 or probs[0, 0] < 0.1:
                 break
             t = int(toks[0, 0])

@@ -21,13 +21,15 @@ def save_drafter(model: torch.nn.Module, cfg, path: str | Path, config_file: str
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path / WEIGHTS_FILE))
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
+              str(path / WEIGHTS_FILE))
     (path / config_file).write_text(json.dumps(asdict(cfg), indent=2))
 
 
-def load_drafter(model_cls, cfg_cls, path: str | Path, config_file: str, format_version: int, what: str,
-                 dtype: torch.dtype = torch.float32, device="cpu"):
-    """Build ``model_cls(cfg_cls(**config))`` from ``path`` -> frozen, eval-mode, on ``device``/``dtype``."""
+def load_drafter(model_cls, cfg_cls, path: str | Path, config_file: str, format_version: int,
+                 what: str, dtype: torch.dtype = torch.float32, device="cpu"):
+    """Build ``model_cls(cfg_cls(**config))`` from ``path`` -> frozen, eval-mode, on
+    ``device``/``dtype``."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -37,7 +39,8 @@ def load_drafter(model_cls, cfg_cls, path: str | Path, config_file: str, format_
             raise FileNotFoundError(f"{what} file missing: {f}")
     raw = json.loads(cfg_file.read_text())
     if raw.get("format_version") != format_version:
-        raise ValueError(f"{cfg_file}: unsupported {what} format_version {raw.get('format_version')}")
+        raise ValueError(f"{cfg_file}: unsupported {what} format_version "
+                         f"{raw.get('format_version')}")
     model = model_cls(cfg_cls(**raw))
     try:
         state = load_file(str(w_file))

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dart_ray.kv_cache import KVCache
 from dart_ray.drafters.persist import load_drafter, save_drafter
+from dart_ray.kv_cache import KVCache
 from dart_ray.models.args import ModelArgs
 from dart_ray.models.llama import Block, RMSNorm
-from dart_ray.models.rope import rope_tables
+from dart_ray.models.rope import RopeCache
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "sps_config.json"
@@ -40,20 +40,21 @@ class SpsConfig:
     """Target layers the blocks were initialised from (recorded for the card)."""
     draft_vocab: int = 8192
     max_depth: int = 8
-    """Longest chain (gamma) the drafter proposes."""
+    """Trained depth: the longest chain the drafter proposes (its ``max_draft_depth``)."""
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "init_layers", tuple(self.init_layers))
         if self.num_layers < 1 or len(self.init_layers) != self.num_layers:
-            raise ValueError(f"need num_layers >= 1 and one init layer each, got {self.num_layers}, {self.init_layers}")
+            raise ValueError("need num_layers >= 1 and one init layer each, got "
+                             f"{self.num_layers}, {self.init_layers}")
         if not 1 <= self.max_depth <= 16:
             raise ValueError(f"max_depth must be in [1, 16], got {self.max_depth}")
         if not 1 <= self.draft_vocab <= self.target_args["vocab_size"]:
             raise ValueError(f"draft_vocab must be in [1, {self.target_args['vocab_size']}]")
 
     @classmethod
-    def for_target(cls, args: ModelArgs, target_id: str, **kw) -> "SpsConfig":
+    def for_target(cls, args: ModelArgs, target_id: str, **kw) -> SpsConfig:
         d = dataclasses.asdict(args)
         d["eos_token_ids"] = list(d["eos_token_ids"])
         return cls(target_id=target_id, target_args=d, **kw)
@@ -68,7 +69,8 @@ class SpsConfig:
         got = (mine.hidden_size, mine.vocab_size, self.target_id)
         want = (args.hidden_size, args.vocab_size, target_id)
         if got != want:
-            raise ValueError(f"draft model does not match the target: (hidden, vocab, id) {got} vs {want}")
+            raise ValueError(f"draft model does not match the target: (hidden, vocab, id) {got} vs "
+                             f"{want}")
 
 
 class SpsModel(nn.Module):
@@ -80,31 +82,26 @@ class SpsModel(nn.Module):
         self.layers = nn.ModuleList(Block(la, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(la.hidden_size, la.rms_norm_eps)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rope = RopeCache(la)  # rope(needed, like) -> cos, sin tables (built on first use)
 
-    def init_from_target(self, target, d2t: torch.Tensor) -> "SpsModel":
+    def init_from_target(self, target, d2t: torch.Tensor) -> SpsModel:
         with torch.no_grad():
             self.d2t.copy_(d2t)
-            for mine, src in zip(self.layers, self.cfg.init_layers):
-                mine.load_state_dict({k: v.float() for k, v in target.layers[src].state_dict().items()})
+            for mine, src in zip(self.layers, self.cfg.init_layers, strict=True):
+                mine.load_state_dict({k: v.float()
+                                      for k, v in target.layers[src].state_dict().items()})
             self.norm.weight.copy_(target.norm.weight.float())
         return self
 
     def new_cache(self, max_batch: int, max_seq_len: int) -> KVCache:
         a, w = self.args, self.norm.weight
-        return KVCache(a.num_layers, max_batch, a.num_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device)
-
-    def rope(self, needed: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope is None or self._rope[0].shape[0] < needed or self._rope[0].dtype != like.dtype \
-                or self._rope[0].device != like.device:
-            self._rope = rope_tables(self.args, max(needed, 4096), like.dtype, like.device)
-        return self._rope
+        return KVCache(a.num_layers, max_batch, a.num_kv_heads, max_seq_len, a.head_dim, w.dtype,
+                       w.device)
 
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                cache: KVCache | None, s_used: int) -> torch.Tensor:
         """x [B, T, H] token embeddings -> [B, T, H] final-normed hidden (cache None: training)."""
-        cos_t, sin_t = self.rope(int(positions.max()) + 1, x)
-        cos, sin = cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)   # [B, 1, T, D]
+        cos, sin = self.rope.gather(positions, x)                                  # [B, 1, T, D]
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache, s_used)
         return self.norm(x)
@@ -114,5 +111,6 @@ class SpsModel(nn.Module):
         save_drafter(self, self.cfg, path, CONFIG_FILE)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "SpsModel":
-        return load_drafter(cls, SpsConfig, path, CONFIG_FILE, FORMAT_VERSION, "draft model", dtype, device)
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> SpsModel:
+        return load_drafter(cls, SpsConfig, path, CONFIG_FILE, FORMAT_VERSION, "draft model", dtype,
+                            device)

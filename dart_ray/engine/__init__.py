@@ -4,4 +4,5 @@ from dart_ray.engine.engine import Engine, PromptTooLongError, encode_prompt
 from dart_ray.engine.metrics import EngineStats
 from dart_ray.engine.request import Completion, RequestOutput, RequestStats
 
-__all__ = ["Engine", "PromptTooLongError", "encode_prompt", "EngineStats", "Completion", "RequestOutput", "RequestStats"]
+__all__ = ["Engine", "PromptTooLongError", "encode_prompt", "EngineStats", "Completion",
+           "RequestOutput", "RequestStats"]

@@ -90,7 +90,8 @@ class RequestTiming:
     submitted: float | None = None
     """Handed to :meth:`AsyncEngine.stream` (accepted into the queue)."""
     scheduled: float | None = None
-    """Start of the engine step that admitted it (prefill); ``scheduled - submitted`` = queue time."""
+    """Start of the engine step that admitted it (prefill); ``scheduled - submitted`` = queue
+    time."""
     first_token: float | None = None
     """End of that step (its first token was produced)."""
 
@@ -201,7 +202,8 @@ class AsyncEngine:
         self._closed = False
         self._fatal: BaseException | None = None
         self._lanes: dict[str, _Lane] = {}
-        self._stream_index: dict[str, _Stream] = {}   # request id -> stream (all lanes; guarded by _lock)
+        # request id -> stream (all lanes; guarded by _lock)
+        self._stream_index: dict[str, _Stream] = {}
         self.last_step_time = time.monotonic()
         self.num_step_errors = 0
         self.last_step_error: str | None = None
@@ -226,19 +228,19 @@ class AsyncEngine:
         """Requests waiting for a batch row: beyond their lane's rows (submitted requests that a
         free row is waiting for do not count)."""
         with self._lock:
-            return sum(l.queued for l in self._lanes.values())
+            return sum(lane.queued for lane in self._lanes.values())
 
     @property
     def num_running(self) -> int:
         """Requests holding a batch row (all lanes)."""
         with self._lock:
-            return sum(l.running for l in self._lanes.values())
+            return sum(lane.running for lane in self._lanes.values())
 
     @property
     def num_in_flight(self) -> int:
         """Requests submitted and not finished (all lanes)."""
         with self._lock:
-            return sum(l.in_flight for l in self._lanes.values())
+            return sum(lane.in_flight for lane in self._lanes.values())
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -258,8 +260,8 @@ class AsyncEngine:
             raise EngineDeadError("engine thread is not running")
 
     # ---- submission (event loop) ------------------------------------------------------------
-    async def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     chat: bool = False, lane: str = MAIN_LANE,
+    async def stream(self, prompt, params: SamplingParams | None = None,
+                     request_id: str | None = None, chat: bool = False, lane: str = MAIN_LANE,
                      timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its outputs (deltas) until it finishes.
 
@@ -301,9 +303,10 @@ class AsyncEngine:
             if rid in self._stream_index:
                 raise ValueError(f"duplicate request id {rid!r}")
             would_wait = ln.in_flight >= ln.rows
-            if would_wait and sum(l.queued for l in self._lanes.values()) >= self.max_queue:
-                raise QueueFullError(f"all {ln.rows} batch rows are busy and {self.max_queue} requests are "
-                                     f"already waiting; retry in {self.retry_after_s:g} s", self.retry_after_s)
+            if would_wait and sum(other.queued for other in self._lanes.values()) >= self.max_queue:
+                raise QueueFullError(f"all {ln.rows} batch rows are busy and {self.max_queue} "
+                                     "requests are already waiting; retry in "
+                                     f"{self.retry_after_s:g} s", self.retry_after_s)
             st = _Stream(rid, lane, loop, asyncio.Queue(), timing=timing)
             self._stream_index[rid] = st
             ln.pending += 1
@@ -312,8 +315,9 @@ class AsyncEngine:
         self._inbox.put(_Add(st, prompt, params, chat))
         return st
 
-    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       chat: bool = False, lane: str = MAIN_LANE) -> tuple[list[int], str, RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None, chat: bool = False,
+                       lane: str = MAIN_LANE) -> tuple[list[int], str, RequestOutput]:
         """Drain :meth:`stream`: (token ids, text, last output)."""
         ids: list[int] = []
         text: list[str] = []
@@ -331,7 +335,8 @@ class AsyncEngine:
         """
         return await asyncio.wrap_future(self.call_future(fn, lane))
 
-    def call_future(self, fn: Callable[[Engine], Any], lane: str | None = MAIN_LANE) -> concurrent.futures.Future:
+    def call_future(self, fn: Callable[[Engine], Any],
+                    lane: str | None = MAIN_LANE) -> concurrent.futures.Future:
         """Like :meth:`call` for synchronous callers: returns a ``concurrent.futures.Future``."""
         self.check_health()
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -340,11 +345,12 @@ class AsyncEngine:
 
     async def encode(self, prompt, chat: bool = False) -> list[int]:
         """Tokenise on the engine thread (blocks stepping while it runs; servers tokenise elsewhere
-        and pass token ids, see ``deployments.openai_app``)."""
+        and pass token ids, see ``deployments.serving``)."""
         return await self.call(lambda e: e.encode_prompt(prompt, chat))
 
     async def add_lane(self, name: str, factory: Callable[[Engine], Engine]) -> None:
-        """Build another engine on the engine thread (``factory(main_engine)``) unless ``name`` exists.
+        """Build another engine on the engine thread (``factory(main_engine)``) unless ``name``
+        exists.
 
         Raises :class:`LaneLimitError` when ``max_lanes`` engines exist already (checked here and
         again on the engine thread, so concurrent calls cannot overshoot)."""
@@ -357,7 +363,8 @@ class AsyncEngine:
         await asyncio.wrap_future(fut)
 
     def _check_lane_limit(self, name: str) -> None:
-        if self.max_lanes is not None and name not in self._lanes and len(self._lanes) >= self.max_lanes:
+        full = self.max_lanes is not None and len(self._lanes) >= self.max_lanes
+        if full and name not in self._lanes:
             raise LaneLimitError(f"this engine serves at most {self.max_lanes} lanes "
                                  f"(have {sorted(self._lanes)}); {name!r} is not built")
 
@@ -393,7 +400,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             cmds = []
-            if not any(l.engine.has_unfinished() for l in self._lanes.values()):
+            if not any(lane.engine.has_unfinished() for lane in self._lanes.values()):
                 cmds.append(self._inbox.get())                    # idle: block until work arrives
             while True:
                 try:
@@ -415,7 +422,8 @@ class AsyncEngine:
             lane = self._lanes[st.lane]
             if not st.done:      # else: the consumer went away before the add was processed
                 try:
-                    lane.engine.add_request(c.prompt, c.params, request_id=st.request_id, chat=c.chat)
+                    lane.engine.add_request(c.prompt, c.params, request_id=st.request_id,
+                                            chat=c.chat)
                     lane.streams[st.request_id] = st
                 except Exception as e:  # noqa: BLE001 - the caller gets the original exception
                     self._deliver(st, e)
@@ -431,7 +439,7 @@ class AsyncEngine:
             if not c.future.set_running_or_notify_cancel():
                 return
             try:
-                target = ({k: l.engine for k, l in self._lanes.items()} if c.lane is None
+                target = ({k: ln.engine for k, ln in self._lanes.items()} if c.lane is None
                           else self._lanes[c.lane].engine)
                 c.future.set_result(c.fn(target))
             except BaseException as e:  # noqa: BLE001

@@ -15,11 +15,11 @@ the batch size, the machine (:mod:`dart_ray.engine.cost`) and the workload all e
 **Where acc(n) comes from (per workload, i.e. per engine).** Every drafter emits its tree in
 *priority order* (best node first, parents before children: the beam search's effective score,
 EAGLE's cumulative score, the chain's depth), so "the tree with budget n" is exactly "the first n
-nodes". After a step that verified ``n_used`` nodes, the accepted path's node indices tell, for every
-ladder size ``m <= n_used``, what a tree cut to ``m`` nodes would have accepted: the path's prefix of
-indices ``<= m`` (exact under greedy decoding, where the accepted path is the unique argmax chain).
-So one observed step updates the estimate of every smaller tree at once; estimates are exponential
-moving averages, so they follow a workload that changes.
+nodes". After a step that verified ``n_used`` nodes, the accepted path's node indices tell, for
+every ladder size ``m <= n_used``, what a tree cut to ``m`` nodes would have accepted: the path's
+prefix of indices ``<= m`` (exact under greedy decoding, where the accepted path is the unique
+argmax chain). So one observed step updates the estimate of every smaller tree at once; estimates
+are exponential moving averages, so they follow a workload that changes.
 
 **Exploration.** Sizes above the chosen one are only learned by trying them: every
 ``explore_every`` steps the controller verifies the next ladder size up (one rung, so a probe costs
@@ -67,9 +67,10 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0 or not 0.0 < self.timing_alpha <= 1.0:
             raise ValueError("alpha and timing_alpha must be in (0, 1]")
-        if self.explore_every < 1 or self.max_explore_every < self.explore_every or self.warmup_steps < 0 or self.warmup_cost_ratio < 1.0 or self.min_gain < 0:
-            raise ValueError("explore_every >= 1, warmup_steps >= 0, warmup_cost_ratio >= 1 and min_gain >= 0 "
-                             "required")
+        if (self.explore_every < 1 or self.max_explore_every < self.explore_every
+                or self.warmup_steps < 0 or self.warmup_cost_ratio < 1.0 or self.min_gain < 0):
+            raise ValueError("explore_every >= 1, warmup_steps >= 0, warmup_cost_ratio >= 1 and "
+                             "min_gain >= 0 required")
 
 
 def ladder_upto(max_nodes: int) -> list[int]:
@@ -111,12 +112,13 @@ class SpeculationController:
     _last_used: int = -1
 
     def reset_acceptance(self) -> None:
-        """Forget acceptance (the decoding knobs changed, so the trees did too) and warm up again."""
+        """Forget acceptance (the decoding knobs changed, so the trees did too) and warm up
+        again."""
         self.acc.clear()
         self.steps = 0
         self._interval = 0
 
-    # ---- the decision ------------------------------------------------------------------------------
+    # ---- the decision ----------------------------------------------------------------------------
     def expected_accepted(self, n: int) -> float:
         """acc(n): observed, else the largest observed smaller size's (a lower bound: acceptance
         never falls when a tree grows), else 0."""
@@ -157,7 +159,7 @@ class SpeculationController:
             n = self.best(B, max_nodes)
             if self._probed_from is not None:
                 if n != self._probed_from:
-                    self._interval = self.config.explore_every      # the last probe paid: probe often
+                    self._interval = self.config.explore_every    # the last probe paid: probe often
                 self._probed_from = None
             if self._interval == 0:
                 self._interval = self.config.explore_every
@@ -173,10 +175,11 @@ class SpeculationController:
 
     def _warmup_size(self, B: int, max_nodes: int) -> int:
         limit = self.config.warmup_cost_ratio * self.cost.verify_s(B, 1)
-        fits = [n for n in ladder_upto(max_nodes) if n > 0 and self.cost.verify_s(B, n + 1) <= limit]
+        fits = [n for n in ladder_upto(max_nodes)
+                if n > 0 and self.cost.verify_s(B, n + 1) <= limit]
         return max(fits) if fits else 1
 
-    # ---- learning ------------------------------------------------------------------------------------
+    # ---- learning --------------------------------------------------------------------------------
     def record(self, B: int, n_used: int, accepted_paths: list[list[int]], draft_s: float,
                verify_s: float, tokens_per_row: int, overhead_s: float) -> None:
         """One decode step: ``accepted_paths[b]`` = accepted node indices of row b (root excluded);
@@ -189,16 +192,18 @@ class SpeculationController:
         self._last_used = n_used
         if n_used <= 0 or not accepted_paths:
             return
-        if not caught_up:   # after plain steps the drafter also caught up on them: not a drafting cost
+        # after plain steps the drafter also caught up on them: not a drafting cost
+        if not caught_up:
             self.draft_s[B] = _ema(self.draft_s.get(B), draft_s, a)
-        w = 1.0 - (1.0 - self.config.alpha) ** len(accepted_paths)     # a batch step weighs B row-steps
+        # a batch step weighs B row-steps
+        w = 1.0 - (1.0 - self.config.alpha) ** len(accepted_paths)
         for m in ladder_upto(n_used):
             if m == 0:
                 continue
             mean = sum(accepted_within(p, m) for p in accepted_paths) / len(accepted_paths)
             self.acc[m] = _ema(self.acc.get(m), mean, w)
 
-    # ---- helpers -------------------------------------------------------------------------------------
+    # ---- helpers ---------------------------------------------------------------------------------
     @staticmethod
     def _nearest(d: dict[int, float], B: int, default: float) -> float:
         if not d:
@@ -219,7 +224,8 @@ class SpeculationController:
         """What the controller believes now (stats, logs, tests)."""
         return {"last_choice": self.last_choice, "acceptance": dict(sorted(self.acc.items())),
                 "draft_ms": {b: 1000 * s for b, s in sorted(self.draft_s.items())},
-                "overhead_ms": {f"{b}{'s' if sp else 'a'}": 1000 * s for (b, sp), s in sorted(self.overhead_s.items())}}
+                "overhead_ms": {f"{b}{'s' if sp else 'a'}": 1000 * s
+                                for (b, sp), s in sorted(self.overhead_s.items())}}
 
 
 def _ema(old: float | None, new: float, a: float) -> float:

@@ -104,7 +104,8 @@ class CostModel:
     @classmethod
     def from_function(cls, fn, batches: list[int], tokens: list[int], **kw) -> CostModel:
         """A synthetic cost model (tests): ``fn(B, T) -> seconds`` sampled on the grid."""
-        return cls(list(batches), list(tokens), {(b, t): float(fn(b, t)) for b in batches for t in tokens}, **kw)
+        return cls(list(batches), list(tokens),
+                   {(b, t): float(fn(b, t)) for b in batches for t in tokens}, **kw)
 
     # ---- online refinement -----------------------------------------------------------------------
     def observe(self, B: int, T: int, seconds: float) -> None:
@@ -116,10 +117,10 @@ class CostModel:
         t = min(self.tokens, key=lambda x: abs(x - T))
         cell = self.table.get((b, t))
         base = cell if cell is not None else self.verify_s(b, t)
-        ratio = min(max(seconds / pred, 0.25), 4.0)          # one outlier (GC, preemption) moves little
+        ratio = min(max(seconds / pred, 0.25), 4.0)      # one outlier (GC, preemption) moves little
         self.table[(b, t)] = base * (1.0 - self.alpha + self.alpha * ratio)
 
-    # ---- persistence -------------------------------------------------------------------------------
+    # ---- persistence -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"batches": self.batches, "tokens": self.tokens,
                 "table": [[b, t, s] for (b, t), s in sorted(self.table.items())],
@@ -128,20 +129,23 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         return cls(list(d["batches"]), list(d["tokens"]),
-                   {(int(b), int(t)): float(s) for b, t, s in d["table"]}, fingerprint=dict(d.get("fingerprint", {})))
+                   {(int(b), int(t)): float(s) for b, t, s in d["table"]},
+                   fingerprint=dict(d.get("fingerprint", {})))
 
     def describe(self) -> str:
         """``B=1: T=1 20.1ms, T=9 31.0ms, ...`` (logs)."""
         lines = []
         for b in self.batches:
-            cells = [f"T={t} {1000 * self.table[(b, t)]:.1f}ms" for t in self.tokens if (b, t) in self.table]
+            cells = [f"T={t} {1000 * self.table[(b, t)]:.1f}ms" for t in self.tokens
+                     if (b, t) in self.table]
             if cells:
                 lines.append(f"B={b}: " + ", ".join(cells))
         return "; ".join(lines)
 
 
 def measure_verify_costs(forward, batches: list[int], tokens: list[int],
-                         max_tokens: int = MAX_MEASURED_TOKENS, budget_s: float = 20.0) -> dict[tuple[int, int], float]:
+                         max_tokens: int = MAX_MEASURED_TOKENS,
+                         budget_s: float = 20.0) -> dict[tuple[int, int], float]:
     """Time ``forward(B, T)`` (one verify-shaped target forward) on the grid, best of two runs.
 
     Cells with ``B * T > max_tokens`` are skipped (extrapolated later), except ``T = tokens[0]``
@@ -160,12 +164,14 @@ def measure_verify_costs(forward, batches: list[int], tokens: list[int],
                 best = min(best, time.perf_counter() - t0)
             table[(b, t)] = best
             if time.perf_counter() - t_start > budget_s:
-                log.warning("cost-model measurement stopped at its %.0f s budget (B=%d, T=%d)", budget_s, b, t)
+                log.warning("cost-model measurement stopped at its %.0f s budget (B=%d, T=%d)",
+                            budget_s, b, t)
                 return table
     return table
 
 
-def load_or_measure(key: str, fingerprint: dict, forward, batches: list[int], tokens: list[int]) -> CostModel:
+def load_or_measure(key: str, fingerprint: dict, forward, batches: list[int],
+                    tokens: list[int]) -> CostModel:
     """The cached cost model for this fingerprint, or a fresh measurement (then cached)."""
     from dart_ray.hardware import read_cached, write_cached
 

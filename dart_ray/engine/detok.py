@@ -20,7 +20,8 @@ class IncrementalDetokenizer:
     def push(self, new_ids: list[int]) -> str:
         """Append token ids; return the newly readable text (possibly empty)."""
         self.ids.extend(new_ids)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset],
+                                 skip_special_tokens=self.skip)
         full = self.tok.decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]

@@ -29,19 +29,21 @@ from dart_ray.drafters.base import BatchView, Drafter
 from dart_ray.engine.controller import SpeculationController
 from dart_ray.engine.cost import TOKEN_GRID, CostModel, batch_grid, load_or_measure
 from dart_ray.engine.detok import IncrementalDetokenizer
-from dart_ray.hardware import DTypeChoice, Fingerprint
 from dart_ray.engine.metrics import EngineStats
 from dart_ray.engine.request import Completion, Request, RequestOutput
+from dart_ray.hardware import DTypeChoice, Fingerprint
 from dart_ray.masks import attention_mask, causal_ancestors
 from dart_ray.models.loading import LoadedTarget
+from dart_ray.profiles import DecodingSchedule
 from dart_ray.tree import TokenTree, empty_tree
 from dart_ray.verify.logits import NodeLogits
 
 PromptLike = str | list[int] | list[dict]
 
 MIN_TREE_SCRATCH = 64
-"""Cache slots reserved beyond ``max_model_len`` for the draft tree (at least this many, so a profile
-loaded later can use trees of this size). Trees are capped to the reserve, never the request."""
+"""Cache slots reserved beyond ``max_model_len`` for the draft tree (at least this many, so a
+profile loaded later can use trees of this size). Trees are capped to the reserve, never the
+request."""
 
 
 class PromptTooLongError(ValueError):
@@ -53,41 +55,48 @@ def encode_prompt(tokenizer, prompt: PromptLike, chat: bool = False) -> list[int
     if isinstance(prompt, str):
         if chat:
             return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
+                                                      add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False))
         return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
         return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
         return list(prompt)
-    raise TypeError("prompt must be a non-empty string, a list of chat messages, or a list of token ids")
+    raise TypeError("prompt must be a non-empty string, a list of chat messages, or a list of "
+                    "token ids")
 
 
 class Engine:
     def __init__(self, target: LoadedTarget, drafter: Drafter, config: EngineConfig,
-                 cost_model: CostModel | None = None, dtype_choice: DTypeChoice | None = None) -> None:
+                 cost_model: CostModel | None = None,
+                 dtype_choice: DTypeChoice | None = None) -> None:
         """``cost_model``: the verify cost model to use (None = measure it, or load it from the
-        hardware cache; tests pass synthetic ones). ``dtype_choice``: how ``config.dtype`` was resolved
-        (:meth:`from_config` passes it)."""
+        hardware cache; tests pass synthetic ones). ``dtype_choice``: how ``config.dtype`` was
+        resolved (:meth:`from_config` passes it)."""
         self.target = target
         self.model = target.model
         self.tokenizer = target.tokenizer
         self.config = config
         self.drafter = drafter
-        self.decoding = config.decoding
-        self._schedule = None
+        self.schedule = DecodingSchedule.constant(config.decoding)
+        """The decoding knobs by batch size, read every step (:meth:`decoding_for`): a constant
+        schedule of ``config.decoding``, or the loaded profile's (:meth:`set_decoding`)."""
         self.device = self.model.embed.weight.device
         self.dtype = self.model.embed.weight.dtype
-        dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16",
+                      torch.float16: "fp16"}[self.dtype]
         self.dtype_choice = dtype_choice or DTypeChoice(dtype_name, config.dtype, "given")
-        self.fingerprint = Fingerprint.current(self.device, dtype_name, target.model_id, config.num_threads)
+        self.fingerprint = Fingerprint.current(self.device, dtype_name, target.model_id,
+                                               config.num_threads)
         # what a request can use (prompt + generated); the draft-tree scratch lies beyond it
         self.scratch = drafter.max_tree_nodes(config.decoding)
         if self.scratch > 0:
             self.scratch = max(self.scratch, MIN_TREE_SCRATCH)
         self.max_model_len = config.max_seq_len
         if target.args.sliding_window:  # attention has no sliding window: stay inside it
-            self.max_model_len = min(self.max_model_len, target.args.sliding_window - self.scratch - 1)
+            self.max_model_len = min(self.max_model_len,
+                                     target.args.sliding_window - self.scratch - 1)
         self.max_seq_len = self.max_model_len
         capacity = self.max_model_len + self.scratch + 1
         self.max_batch = config.max_batch_size
@@ -141,7 +150,8 @@ class Engine:
         tp = getattr(getattr(self.model, "tp", None), "world_size", 1)
         key = (f"{self.fingerprint.key()}-b{batches[-1]}-t{tokens[-1]}-p{int(self.packed)}-tp{tp}"
                f"-taps{len(self.drafter.taps)}")
-        return load_or_measure(key, fp, lambda B, T: self._timing_forward(B, T, ctx), batches, tokens)
+        return load_or_measure(key, fp, lambda B, T: self._timing_forward(B, T, ctx), batches,
+                               tokens)
 
     def _timing_forward(self, B: int, T: int, ctx: int) -> None:
         """A verify-shaped forward over rows 0..B-1 (``ctx`` slots of context, ``T`` new tokens,
@@ -150,7 +160,8 @@ class Engine:
         starts = [ctx] * B
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         positions = (ctx + torch.arange(T, device=dev)).expand(B, T)
-        mask = attention_mask(starts, causal_ancestors(T, dev), ctx + T, self.dtype) if T > 1 else None
+        mask = attention_mask(starts, causal_ancestors(T, dev), ctx + T,
+                              self.dtype) if T > 1 else None
         out = self.model(tokens, positions, mask, self.cache, rows=slice(0, B), starts=starts,
                          taps=self.drafter.taps, return_logits=False)
         self.model.head(out.hidden[:, : (T + 1) // 2])
@@ -158,23 +169,30 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
     def _maybe_pack(self, pack: bool | None) -> None:
-        from dart_ray.models.packing import PackedLinear, pack_linears, packing_available, packing_supported
+        from dart_ray.models.packing import (
+            PackedLinear,
+            pack_linears,
+            packing_available,
+            packing_supported,
+        )
 
         local = isinstance(self.model, torch.nn.Module)
         if pack and not (local and packing_available(self.device, self.dtype)):
-            raise ValueError(f"pack_weights=True needs a local (not TP-proxied) model on CPU in fp32, or in "
-                             f"bf16 with oneDNN bf16 support (device {self.device}, dtype {self.dtype})")
+            raise ValueError("pack_weights=True needs a local (not TP-proxied) model on CPU in "
+                             f"fp32, or in bf16 with oneDNN bf16 support (device {self.device}, "
+                             f"dtype {self.dtype})")
         if pack is None:                 # auto: where it is measured to help on this machine
             pack = local and packing_supported(self.device, self.dtype)
         if not pack and isinstance(self.model, torch.nn.Module) and any(
                 isinstance(m, PackedLinear) for m in self.model.modules()):
-            raise ValueError("pack_weights=False, but this target was already packed in place by another "
-                             "engine; load a separate target for an unpacked engine")
+            raise ValueError("pack_weights=False, but this target was already packed in place by "
+                             "another engine; load a separate target for an unpacked engine")
         if pack:
             pack_linears(self.model)
             self.drafter.pack_weights()
         self.packed = bool(pack)
-        """Whether the target's linears are oneDNN-prepacked (part of the cost model's cache key)."""
+        """Whether the target's linears are oneDNN-prepacked (part of the cost model's cache
+        key)."""
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.target.args.eos_token_ids)
@@ -183,20 +201,21 @@ class Engine:
         return ids
 
     # ---- runtime knobs ------------------------------------------------------------------------
-    def set_decoding(self, decoding) -> None:
-        """Swap runtime knobs: a DecodingConfig, or a schedule with ``for_batch_size(b)``."""
+    def set_decoding(self, decoding: DecodingConfig | DecodingSchedule) -> None:
+        """Swap runtime knobs: a DecodingSchedule (a profile), or one DecodingConfig for every batch
+        size (held as a constant schedule)."""
         if isinstance(decoding, DecodingConfig):
-            self._schedule = None
-            self.decoding = decoding
-        elif hasattr(decoding, "for_batch_size"):
-            self._schedule = decoding
-        else:
-            raise TypeError(f"expected DecodingConfig or a schedule, got {type(decoding).__name__}")
+            decoding = DecodingSchedule.constant(decoding)
+        if not isinstance(decoding, DecodingSchedule):
+            raise TypeError("expected a DecodingConfig or a DecodingSchedule, got "
+                            f"{type(decoding).__name__}")
+        self.schedule = decoding
         if self.controller is not None:
             self.controller.reset_acceptance()   # other knobs, other trees: learn acceptance again
 
     def decoding_for(self, batch_size: int) -> DecodingConfig:
-        return self._schedule.for_batch_size(batch_size) if self._schedule is not None else self.decoding
+        """The knobs a step of ``batch_size`` rows uses."""
+        return self.schedule.for_batch_size(batch_size)
 
     # ---- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptLike, chat: bool = False) -> list[int]:
@@ -231,7 +250,8 @@ class Engine:
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
         req = Request(request_id=rid, prompt_ids=ids, params=params,
-                      detok=IncrementalDetokenizer(self.tokenizer), generator=gen, stop_ids=frozenset(stop_ids))
+                      detok=IncrementalDetokenizer(self.tokenizer), generator=gen,
+                      stop_ids=frozenset(stop_ids))
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -294,14 +314,13 @@ class Engine:
             r.root = first[i]
             self.running.append(r)
             self.metrics.prompt_tokens += lens[i]
-        nxt = torch.cat([tokens[:, 1:], torch.zeros(n, 1, dtype=torch.long, device=dev)], dim=1)  # [n, T]
+        pad = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        nxt = torch.cat([tokens[:, 1:], pad], dim=1)                          # [n, T]
         nxt[torch.arange(n, device=dev), last.view(n)] = acc.bonus
         self.drafter.prefill(rows, lens, out.taps, nxt)
         self.metrics.prefill_s += time.perf_counter() - t0
-        now = time.perf_counter()
         finished = []
         for i, r in enumerate(new):
-            r.first_token_time = now
             if self._emit(r, [first[i]], outputs):
                 finished.append(r)
         if finished:
@@ -318,15 +337,16 @@ class Engine:
         t0 = time.perf_counter()
         tree_before = self.drafter.tree_time_s
         roots = torch.tensor([r.root for r in reqs], dtype=torch.long, device=dev)
-        view = BatchView(roots=roots, lengths=self.cache.lengths[:B], tokens=self.tokens, decoding=decoding,
-                         params=[r.params for r in reqs], generators=[r.generator for r in reqs])
+        view = BatchView(roots=roots, lengths=self.cache.lengths[:B], tokens=self.tokens,
+                         decoding=decoding, params=[r.params for r in reqs],
+                         generators=[r.generator for r in reqs])
         if n > 0:
             if n < max_nodes:            # a small tree: the first n nodes of a budget-n search
                 view.decoding = decoding.replace(tree_budget=min(decoding.tree_budget, n),
-                                                 chunk_len=min(decoding.chunk_len, n))
-            tree = self.drafter.propose(view).truncate(n)                       # draft + tree search
+                                                 draft_depth=min(decoding.draft_depth, n))
+            tree = self.drafter.propose(view).truncate(n)                      # draft + tree search
         else:
-            tree = empty_tree(roots)                                             # a plain AR step
+            tree = empty_tree(roots)                                           # a plain AR step
             m.ar_steps += 1
         t1 = time.perf_counter()
         tree_dt = self.drafter.tree_time_s - tree_before
@@ -337,17 +357,17 @@ class Engine:
         t2 = time.perf_counter()
         m.verify_s += t2 - t1
 
-        acc = self._accept(tree, logits, reqs)                                   # path + bonus
-        num_committed = (acc.num_accepted + 1).tolist()                          # root + accepted drafts
-        path_tokens = self._commit(tree, acc, taps, num_committed, view)       # [B][d+1] ids on the path
+        acc = self._accept(tree, logits, reqs)                            # path + bonus
+        num_committed = (acc.num_accepted + 1).tolist()                   # root + accepted drafts
+        path_tokens = self._commit(tree, acc, taps, num_committed, view)  # [B][d+1] ids on the path
         m.head_rows += logits.head_rows
         t3 = time.perf_counter()
         m.accept_s += t3 - t2
 
-        m.steps += 1                                                             # emit
+        m.steps += 1                                                      # emit
         bonus = acc.bonus.tolist()
         n_draft = tree.valid.sum(1).sub(1).tolist()
-        depth = tree.depths.masked_fill(~tree.valid, 0).amax(1).tolist()        # [B] speculated positions
+        depth = tree.depths.masked_fill(~tree.valid, 0).amax(1).tolist()  # [B] speculated positions
         finished = []
         for b, r in enumerate(reqs):
             k = num_committed[b] - 1
@@ -361,7 +381,8 @@ class Engine:
         t4 = time.perf_counter()
         m.other_s += t4 - t3
         if self.controller is not None:
-            paths = [p[1:k] for p, k in zip(acc.path.tolist(), num_committed)] if n > 0 else []
+            paths = [p[1:k] for p, k in zip(acc.path.tolist(), num_committed,
+                                            strict=True)] if n > 0 else []
             self.controller.record(B, n, paths, draft_s=t1 - t0, verify_s=t2 - t1,
                                    tokens_per_row=tree.num_nodes, overhead_s=t4 - t2)
 
@@ -383,25 +404,28 @@ class Engine:
 
         return accept(tree, logits, [r.params for r in reqs], [r.generator for r in reqs])
 
-    def _commit(self, tree: TokenTree, acc, taps, num_committed: list[int], view: BatchView) -> list[list[int]]:
-        """Keep the accepted paths' KV, record their tokens, feed the drafter; returns the path tokens."""
+    def _commit(self, tree: TokenTree, acc, taps, num_committed: list[int],
+                view: BatchView) -> list[list[int]]:
+        """Keep the accepted paths' KV, record their tokens, feed the drafter; returns the path
+        tokens."""
         B = tree.batch_size
         dev = tree.tokens.device
         starts = list(self.cache.lengths[:B])
-        path = acc.path.clamp(min=0)                                             # [B, d+1] node indices
+        path = acc.path.clamp(min=0)                                         # [B, d+1] node indices
         self.cache.commit(slice(0, B), path, num_committed)
-        path_tokens = torch.gather(tree.tokens, 1, path)                         # [B, d+1]
+        path_tokens = torch.gather(tree.tokens, 1, path)                     # [B, d+1]
         toks = path_tokens.tolist()
         for b in range(B):
             n = num_committed[b]
             self.tokens[b, starts[b]:starts[b] + n] = toks[b][:n]
         # what follows each committed position: the next accepted draft, then the new root (bonus)
         A = max(num_committed)
-        nxt = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)[:, :A].clone()       # [B, A]
+        nxt = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)[:, :A].clone()  # [B, A]
         nxt[torch.arange(B, device=dev), torch.tensor(num_committed, device=dev) - 1] = acc.bonus
         tap_sel = None
         if self.drafter.taps:
-            tap_sel = torch.gather(taps, 1, path[:, :A, None].expand(-1, -1, taps.shape[-1]))  # [B, A, nT*H]
+            idx = path[:, :A, None].expand(-1, -1, taps.shape[-1])
+            tap_sel = torch.gather(taps, 1, idx)                                 # [B, A, nT*H]
         view.lengths = self.cache.lengths[:B]
         self.drafter.observe(view, num_committed, tap_sel, nxt)
         return toks
@@ -456,14 +480,16 @@ class Engine:
         characters (the token that completes a stop string is the last one kept)."""
         before = len(r.output_ids) - n_new
         for j in range(1, n_new):
-            text = self.tokenizer.decode(r.output_ids[:before + j], skip_special_tokens=r.detok.skip)
+            text = self.tokenizer.decode(r.output_ids[:before + j],
+                                         skip_special_tokens=r.detok.skip)
             if len(text.rstrip("\ufffd")) >= end:     # a split UTF-8 character is not there yet
                 return j
         return n_new
 
     def _output(self, r: Request, ids: list[int], text: str) -> RequestOutput:
-        return RequestOutput(request_id=r.request_id, new_token_ids=ids, new_text=text, finished=r.finished,
-                             finish_reason=r.finish_reason, num_prompt_tokens=len(r.prompt_ids),
+        return RequestOutput(request_id=r.request_id, new_token_ids=ids, new_text=text,
+                             finished=r.finished, finish_reason=r.finish_reason,
+                             num_prompt_tokens=len(r.prompt_ids),
                              num_generated_tokens=len(r.output_ids), stats=r.stats)
 
     def _release(self, reqs: Iterable[Request]) -> None:
@@ -474,7 +500,8 @@ class Engine:
                 moved = self.running[last]
                 self.cache.move_row(last, row)
                 self.drafter.move_row(last, row)
-                self.tokens[row, :self.cache.lengths[row]] = self.tokens[last, :self.cache.lengths[row]]
+                n = self.cache.lengths[row]
+                self.tokens[row, :n] = self.tokens[last, :n]
                 self.running[row] = moved
                 moved.row = row
             self.running.pop()
@@ -495,7 +522,7 @@ class Engine:
             raise ValueError(f"{len(params)} SamplingParams for {len(plist)} prompts")
         ids: list[str] = []
         try:
-            for p, sp in zip(plist, params):
+            for p, sp in zip(plist, params, strict=True):
                 ids.append(self.add_request(p, sp, chat=chat))
         except Exception:
             for rid in ids:  # all or nothing: a bad prompt leaves no orphan requests behind
@@ -543,9 +570,10 @@ class Engine:
         for rid in ids:
             st = acc[rid]
             o, lat = st["done"]
-            out.append(Completion(request_id=rid, num_prompt_tokens=o.num_prompt_tokens, token_ids=st["ids"],
-                                  text="".join(st["text"]), finish_reason=o.finish_reason, stats=o.stats,
-                                  latency_s=lat, first_token_s=st["first"]))
+            out.append(Completion(request_id=rid, num_prompt_tokens=o.num_prompt_tokens,
+                                  token_ids=st["ids"], text="".join(st["text"]),
+                                  finish_reason=o.finish_reason, stats=o.stats, latency_s=lat,
+                                  first_token_s=st["first"]))
         return out
 
     def stats(self) -> EngineStats:

@@ -14,8 +14,8 @@ class EngineStats:
     draft_tokens: int = 0
     """Draft tree nodes verified, summed over rows and steps."""
     draft_depth_tokens: int = 0
-    """Speculated positions: per row-step the depth of the verified tree (0 on a plain step). This is
-    vLLM's "draft tokens" for a tree: accepted_tokens / draft_depth_tokens is the acceptance rate
+    """Speculated positions: per row-step the depth of the verified tree (0 on a plain step). This
+    is vLLM's "draft tokens" for a tree: accepted_tokens / draft_depth_tokens is the acceptance rate
     a vLLM dashboard computes, and stays in [0, 1]."""
     spec_row_steps: int = 0
     """Row-steps that verified at least one draft node (vLLM's "drafts")."""
@@ -44,8 +44,8 @@ class EngineStats:
         return (self.accepted_tokens + self.row_steps) / self.row_steps if self.row_steps else 0.0
 
     def record_row(self, num_draft: int, num_accepted: int, depth: int = 0) -> None:
-        """One row of one step: ``num_draft`` tree nodes of depth ``depth`` verified, ``num_accepted``
-        of them accepted."""
+        """One row of one step: ``num_draft`` tree nodes of depth ``depth`` verified,
+        ``num_accepted`` of them accepted."""
         self.row_steps += 1
         self.draft_tokens += num_draft
         self.draft_depth_tokens += depth

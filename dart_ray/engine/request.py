@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -11,7 +10,7 @@ import torch
 from dart_ray.config import SamplingParams
 from dart_ray.engine.detok import IncrementalDetokenizer
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass
@@ -43,7 +42,8 @@ class RequestStats:
 
     def to_dict(self) -> dict:
         return {"steps": self.steps, "draft_tokens": self.draft_tokens,
-                "accepted_tokens": self.accepted_tokens, "accepted_per_depth": list(self.accepted_per_depth),
+                "accepted_tokens": self.accepted_tokens,
+                "accepted_per_depth": list(self.accepted_per_depth),
                 "mean_accepted_len": self.mean_accepted_len}
 
 
@@ -59,7 +59,6 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     stats: RequestStats
-    error: str | None = None
 
 
 @dataclass
@@ -74,7 +73,6 @@ class Completion:
     stats: RequestStats
     latency_s: float
     first_token_s: float | None = None
-    error: str | None = None
 
     @property
     def num_generated_tokens(self) -> int:
@@ -91,8 +89,6 @@ class Request:
     detok: IncrementalDetokenizer
     generator: torch.Generator | None
     stop_ids: frozenset[int]
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
     output_ids: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
     row: int = -1
@@ -101,4 +97,5 @@ class Request:
     finished: bool = False
     finish_reason: FinishReason | None = None
     emitted_text_len: int = 0
-    """Characters of detok.text already streamed (text is held back while it may start a stop string)."""
+    """Characters of detok.text already streamed (text is held back while it may start a stop
+    string)."""

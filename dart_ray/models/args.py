@@ -27,7 +27,8 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
-    """None/"default", ``{"rope_type": "llama3", ...}`` or ``{"rope_type": "linear", "factor": f}``."""
+    """None/"default", ``{"rope_type": "llama3", ...}`` or
+    ``{"rope_type": "linear", "factor": f}``."""
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -43,7 +44,8 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}")
+            raise ValueError(f"num_heads {self.num_heads} not divisible by num_kv_heads "
+                             f"{self.num_kv_heads}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -55,8 +57,9 @@ class ModelArgs:
         return (min(2, L - 1), L // 2, max(L - 3, 0))
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        """Build from a parsed ``config.json``; unknown architectures raise UnsupportedModelError."""
+    def from_hf_config(cls, cfg: dict) -> ModelArgs:
+        """Build from a parsed ``config.json``; unknown architectures raise
+        UnsupportedModelError."""
         mt = cfg.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             archs = cfg.get("architectures")
@@ -64,7 +67,8 @@ class ModelArgs:
                 f"unsupported model_type {mt!r} (architectures={archs}); dart-ray supports "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; expected 'silu'")
+            raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; "
+                                        "expected 'silu'")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=True is not supported")
         heads = cfg["num_attention_heads"]
@@ -75,7 +79,8 @@ class ModelArgs:
         rtype = rope.get("rope_type", rope.get("type", "default"))
         if rtype not in (None, "default"):
             if rtype not in ("llama3", "linear"):
-                raise UnsupportedModelError(f"unsupported rope scaling type {rtype!r} (supported: llama3, linear)")
+                raise UnsupportedModelError(f"unsupported rope scaling type {rtype!r} (supported: "
+                                            "llama3, linear)")
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
             scaling["rope_type"] = rtype
         attention_bias = bool(cfg.get("attention_bias", False))

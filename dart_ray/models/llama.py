@@ -19,7 +19,7 @@ from torch import nn
 
 from dart_ray.kv_cache import KVCache
 from dart_ray.models.args import ModelArgs
-from dart_ray.models.rope import apply_rope, rope_tables
+from dart_ray.models.rope import RopeCache, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -44,18 +44,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.split = (q_out, kv_out, kv_out)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache, s_used: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: KVCache, s_used: int) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(B, T, -1, self.head_dim)                       # [B, T, H, D]
-        k = k.view(B, T, -1, self.head_dim)                       # [B, T, H_kv, D]
-        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)       # [B, H_kv, T, D]
+        q = q.view(B, T, -1, self.head_dim)                      # [B, T, H, D]
+        k = k.view(B, T, -1, self.head_dim)                      # [B, T, H_kv, D]
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)      # [B, H_kv, T, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)               # [B, H, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)               # [B, H_kv, T, D]
-        if cache is None:                                         # training: attend within the block
+        q = apply_rope(q.transpose(1, 2), cos, sin)              # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)              # [B, H_kv, T, D]
+        if cache is None:                                        # training: attend within the block
             keys, values = k, v
         else:
             keys, values = cache.write(self.layer_id, k, v, s_used)   # [B, H_kv, S, D]
@@ -92,7 +92,7 @@ class Block(nn.Module):
 class ForwardOutput:
     logits: torch.Tensor | None  # [B, T', V] (T' = T, or the gathered positions)
     taps: torch.Tensor | None    # [B, T, len(taps) * H] residual inputs of the tapped layers
-    hidden: torch.Tensor | None = None  # [B, T, H] final residual, pre-norm (when logits are not asked)
+    hidden: torch.Tensor | None = None  # [B, T, H] final residual, pre-norm (if logits not asked)
 
 
 class Transformer(nn.Module):
@@ -105,22 +105,14 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rope_len = max_seq_len
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    # RoPE tables are built lazily on the model's device/dtype (no work at construction/import).
-    def _rope_tables(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.embed.weight
-        if self._rope is None or self._rope[0].shape[0] < needed or self._rope[0].dtype != w.dtype \
-                or self._rope[0].device != w.device:
-            self.rope_len = max(self.rope_len, needed)
-            self._rope = rope_tables(self.args, self.rope_len, w.dtype, w.device)
-        return self._rope
+        # tables built on first use, on the weights' dtype/device
+        self.rope = RopeCache(args, max_seq_len)
 
     def new_cache(self, max_batch: int, max_seq_len: int) -> KVCache:
         w = self.embed.weight
         a = self.args
-        return KVCache(a.num_layers, max_batch, a.num_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device)
+        return KVCache(a.num_layers, max_batch, a.num_kv_heads, max_seq_len, a.head_dim, w.dtype,
+                       w.device)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [..., H] -> [..., V]."""
@@ -129,37 +121,35 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(
         self,
-        tokens: torch.Tensor,                 # [B, T] int64
-        positions: torch.Tensor,              # [B, T] int64
-        mask: torch.Tensor | None,            # [B, 1, T, S] additive (0 / -inf), or None = see all S
+        tokens: torch.Tensor,           # [B, T] int64
+        positions: torch.Tensor,        # [B, T] int64
+        mask: torch.Tensor | None,      # [B, 1, T, S] additive (0 / -inf), or None = see all S
         cache: KVCache,
-        rows: slice | None = None,            # cache rows of this batch (default 0..B-1)
+        rows: slice | None = None,      # cache rows of this batch (default 0..B-1)
         starts: list[int] | None = None,      # per-row write start slot (default: committed length)
-        taps: tuple[int, ...] = (),           # layers whose input residual to return (L = final residual)
+        taps: tuple[int, ...] = (),     # layers whose input residual to return (L = final residual)
         logits_at: torch.Tensor | None = None,  # [B, K] positions to compute logits at (None = all)
-        return_logits: bool = True,           # False: return the final residual (``hidden``) instead
+        return_logits: bool = True,     # False: return the final residual (``hidden``) instead
     ) -> ForwardOutput:
         B, T = tokens.shape
         rows = slice(0, B) if rows is None else rows
         s_used = cache.begin_write(rows, T, starts)
         if mask is not None and mask.shape[-1] != s_used:
             raise ValueError(f"mask covers {mask.shape[-1]} key slots, cache needs {s_used}")
-        cos_t, sin_t = self._rope_tables(int(positions.max()) + 1)
-        cos = cos_t[positions].unsqueeze(1)                      # [B, 1, T, D]
-        sin = sin_t[positions].unsqueeze(1)                      # [B, 1, T, D]
-        x = self.embed(tokens)                                   # [B, T, H]
+        cos, sin = self.rope.gather(positions, self.embed.weight)  # [B, 1, T, D] each
+        x = self.embed(tokens)                               # [B, T, H]
         tapped: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in taps:
                 tapped.append(x)
             x = layer(x, cos, sin, mask, cache, s_used)
         if len(self.layers) in taps:
-            tapped.append(x)                                     # tap L = the final residual (pre-norm)
+            tapped.append(x)                                 # tap L = the final residual (pre-norm)
         tap_out = None
         if taps:
             order = sorted(taps)
             tap_out = torch.cat([tapped[order.index(t)] for t in taps], dim=-1)  # [B, T, nT*H]
-        if not return_logits:                                    # the caller runs self.head where needed
+        if not return_logits:                               # the caller runs self.head where needed
             return ForwardOutput(logits=None, taps=tap_out, hidden=x)
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, K, H]

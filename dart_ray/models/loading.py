@@ -1,4 +1,5 @@
-"""Finding and loading targets: HF directories, GGUF files (converted once, cached), the embedded default.
+"""Finding and loading targets: HF directories, GGUF files (converted once, cached), the embedded
+default.
 
 * HF directory: ``config.json`` + ``*.safetensors`` (single file or sharded with an index).
 * GGUF file: converted once by transformers (dequantised to fp32) into a safetensors directory under
@@ -83,7 +84,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a HF model directory or a GGUF file")
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a HF model directory or "
+                                 "a GGUF file")
         return convert_gguf(path)
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
@@ -95,7 +97,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
 
 def _gguf_cache_dir(gguf: Path) -> Path:
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return cache_root() / "gguf" / f"{gguf.stem}-{key}"
 
 
@@ -134,7 +137,8 @@ def _convert_with_transformers(gguf: Path, dst: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as e:  # transformers raises many types for a bad GGUF; name the file
         raise ModelLoadError(f"could not read GGUF {gguf}: {type(e).__name__}: {e}") from e
@@ -198,21 +202,25 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
 
     out = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
     if not args.tie_word_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"] if "lm_head.weight" in state else take("embed_tokens.weight")
+        out["lm_head.weight"] = (state["lm_head.weight"] if "lm_head.weight" in state
+                                 else take("embed_tokens.weight"))
     for i in range(args.num_layers):
         p = f"layers.{i}."
         out[p + "attn_norm.weight"] = take(p + "input_layernorm.weight")
         out[p + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
-        out[p + "attn.qkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        out[p + "attn.qkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight")
+                                                for n in "qkv"])
         if args.qkv_bias:
-            out[p + "attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            out[p + "attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias")
+                                                  for n in "qkv"])
         out[p + "attn.o.weight"] = take(p + "self_attn.o_proj.weight")
         if args.o_bias:
             out[p + "attn.o.bias"] = take(p + "self_attn.o_proj.bias")
         if args.qk_norm:
             out[p + "attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
             out[p + "attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
-        out[p + "mlp.gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[p + "mlp.gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                   take(p + "mlp.up_proj.weight")])
         out[p + "mlp.down.weight"] = take(p + "mlp.down_proj.weight")
     return out
 

@@ -17,6 +17,7 @@ weight stays readable through ``.weight`` (a reorder back, for the rare construc
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -71,8 +72,8 @@ def measure_fp32_packing() -> dict[str, float]:
     with torch.inference_mode():
         for rows in (1, 9):
             x = torch.randn(rows, 576, generator=g)
-            out[f"dense_{rows}"] = _time(lambda: torch.nn.functional.linear(x, w))
-            out[f"packed_{rows}"] = _time(lambda: packed(x))
+            out[f"dense_{rows}"] = _time(functools.partial(torch.nn.functional.linear, x, w))
+            out[f"packed_{rows}"] = _time(functools.partial(packed, x))
     return out
 
 
@@ -94,39 +95,46 @@ def fp32_packing_helps() -> bool:
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with W held in oneDNN's blocked layout (CPU inference only)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = PACK_BATCH_HINT,
-                 keep_dense: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 batch_hint: int = PACK_BATCH_HINT, keep_dense: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)  # opaque [O, I]
+        # opaque [O, I]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
         self.bias = None if bias is None else bias.detach()
         # a tied weight (LM head = embedding) is alive anyway: keep the reference, it costs nothing
         # (kept outside nn.Module's registries: it is not this module's parameter)
         self.__dict__["_dense"] = weight if keep_dense else None
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, batch_hint: int = PACK_BATCH_HINT, keep_dense: bool = False) -> PackedLinear:
+    def from_linear(cls, lin: nn.Linear, batch_hint: int = PACK_BATCH_HINT,
+                    keep_dense: bool = False) -> PackedLinear:
         return cls(lin.weight, lin.bias, batch_hint, keep_dense)
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dense ``[out, in]`` weight: the tied tensor itself, else a reorder back (not for the hot path)."""
+        """The dense ``[out, in]`` weight: the tied tensor itself, else a reorder back (not for the
+        hot path)."""
         return self._dense if self._dense is not None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
-            raise RuntimeError("PackedLinear is inference-only (no autograd through packed weights)")
+            raise RuntimeError("PackedLinear is inference-only (no autograd through packed "
+                               "weights)")
         lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed,
+                                               self.bias,
                                                "none", [], "")            # [N, out]
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
 
 
 def pack_linears(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
-    """Replace every plain bf16/fp32 CPU ``nn.Linear`` under ``module`` (in place) by a :class:`PackedLinear`.
+    """Replace every plain bf16/fp32 CPU ``nn.Linear`` under ``module`` (in place) by a
+    :class:`PackedLinear`.
 
     Idempotent (already packed and custom linear subclasses such as the TP ones are left alone).
     Returns the number of modules replaced. The caller checks :func:`packing_supported` first.
@@ -135,7 +143,9 @@ def pack_linears(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
                if type(c) is nn.Linear and c.weight.dtype in (torch.bfloat16, torch.float32)
                and c.weight.device.type == "cpu"]
     # weights also owned by a non-linear module (a tied LM head) stay referenced after packing
-    shared = {id(t) for m in module.modules() if type(m) is not nn.Linear for t in m.parameters(recurse=False)}
+    shared = {id(t) for m in module.modules() if type(m) is not nn.Linear
+              for t in m.parameters(recurse=False)}
     for parent, name, child in linears:
-        setattr(parent, name, PackedLinear.from_linear(child, batch_hint, keep_dense=id(child.weight) in shared))
+        setattr(parent, name,
+                PackedLinear.from_linear(child, batch_hint, keep_dense=id(child.weight) in shared))
     return len(linears)

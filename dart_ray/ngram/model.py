@@ -40,7 +40,7 @@ import json
 import mmap
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,111 @@ def _check_min_count(min_count: int) -> None:
         raise TypeError(f"min_count must be an int, got {type(min_count).__name__}")
     if min_count < 1:
         raise ValueError(f"min_count must be >= 1, got {min_count}")
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    if not 1 <= vocab_size <= TOKEN_LIMIT:
+        raise ValueError(f"vocab_size must be in [1, {TOKEN_LIMIT}], got {vocab_size}")
+
+
+def _check_arrays(
+    order: int,
+    ngram_keys: list[np.ndarray],
+    ngram_counts: list[np.ndarray],
+    ngram_rank: list[np.ndarray],
+    ctx_keys: list[np.ndarray],
+    ctx_totals: list[np.ndarray],
+) -> None:
+    """The count tables fit ``order``: one 1-D keys/counts/rank triple per n, one keys/totals pair
+    per context length, equal lengths within each."""
+    for name, lst, want in (
+        ("ngram_keys", ngram_keys, order),
+        ("ngram_counts", ngram_counts, order),
+        ("ngram_rank", ngram_rank, order),
+        ("ctx_keys", ctx_keys, order - 1),
+        ("ctx_totals", ctx_totals, order - 1),
+    ):
+        if len(lst) != want:
+            raise ValueError(f"{name}: expected {want} arrays for order {order}, got {len(lst)}")
+    for n in range(1, order + 1):
+        k, c, r = ngram_keys[n - 1], ngram_counts[n - 1], ngram_rank[n - 1]
+        if not (k.ndim == c.ndim == r.ndim == 1 and k.shape == c.shape == r.shape):
+            raise ValueError(
+                f"order {n}: keys/counts/rank lengths differ: {k.shape} {c.shape} {r.shape}"
+            )
+    for c in range(1, order):
+        k, t = ctx_keys[c - 1], ctx_totals[c - 1]
+        if not (k.ndim == t.ndim == 1 and k.shape == t.shape):
+            raise ValueError(f"context length {c}: keys/totals lengths differ: {k.shape} {t.shape}")
+
+
+def _read_meta(meta_path: Path) -> dict[str, Any]:
+    """Validate ``meta.json`` of a saved model -> its settings (order, vocab_size, min_count,
+    unigram_total, num_tokens_trained as ints; info as a dict). Errors name the file."""
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"n-gram model metadata not found: {meta_path}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"corrupt n-gram metadata {meta_path}: {e}") from e
+    if not isinstance(meta, dict):
+        raise ValueError(  # noqa: TRY004 - corrupt file, not a bad argument
+            f"corrupt n-gram metadata {meta_path}: not a JSON object"
+        )
+    if meta.get("format") != FORMAT_NAME:
+        raise ValueError(f"{meta_path}: not an n-gram model (format={meta.get('format')!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_path}: unsupported format_version {meta.get('format_version')!r} "
+            f"(expected {FORMAT_VERSION})"
+        )
+    if meta.get("token_bits", TOKEN_BITS) != TOKEN_BITS:
+        raise ValueError(f"{meta_path}: token_bits {meta.get('token_bits')} != {TOKEN_BITS}")
+    try:
+        out: dict[str, Any] = {
+            k: int(meta[k])
+            for k in ("order", "vocab_size", "min_count", "unigram_total", "num_tokens_trained")
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"corrupt n-gram metadata {meta_path}: bad or missing {e}") from e
+    try:
+        _check_order(out["order"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{meta_path}: {e}") from e
+    out["info"] = meta.get("info") or {}
+    if not isinstance(out["info"], dict):
+        raise ValueError(  # noqa: TRY004 - corrupt file, not a bad argument
+            f"corrupt n-gram metadata {meta_path}: 'info' is not an object"
+        )
+    return out
+
+
+def _layout(order: int) -> dict[str, np.dtype[Any]]:
+    """On-disk stem -> dtype of every array of an ``order`` model (see the module docstring)."""
+    out: dict[str, np.dtype[Any]] = {}
+    for n in range(1, order + 1):
+        out[f"ngram{n}_keys"] = np.dtype(np.int64)
+        out[f"ngram{n}_counts"] = np.dtype(np.uint32)
+        out[f"ngram{n}_rank"] = np.dtype(np.uint32)
+    for c in range(1, order):
+        out[f"ctx{c}_keys"] = np.dtype(np.int64)
+        out[f"ctx{c}_totals"] = np.dtype(np.uint64)
+    return out
+
+
+def _read_array(f: Path, dtype: np.dtype[Any], mmap_mode: str | None) -> np.ndarray:
+    """One saved 1-D array of ``dtype`` (memory-mapped read-only with ``mmap_mode="r"``)."""
+    if not f.is_file():
+        raise FileNotFoundError(f"n-gram array file missing: {f}")
+    try:
+        arr = np.load(f, mmap_mode=mmap_mode, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"corrupt n-gram array file {f}: {e}") from e
+    if arr.dtype != dtype or arr.ndim != 1:
+        raise ValueError(
+            f"corrupt n-gram array file {f}: expected 1-D {dtype}, got {arr.ndim}-D {arr.dtype}"
+        )
+    return np.asarray(arr)  # plain ndarray view of the memmap (no copy)
 
 
 def _pack(cols: np.ndarray) -> np.ndarray:
@@ -201,31 +306,8 @@ class NGramModel:
         holds context length c). Prefer :meth:`from_sequences` / :meth:`load`."""
         _check_order(order)
         _check_min_count(min_count)
-        if not 1 <= vocab_size <= TOKEN_LIMIT:
-            raise ValueError(f"vocab_size must be in [1, {TOKEN_LIMIT}], got {vocab_size}")
-        for name, lst, want in (
-            ("ngram_keys", ngram_keys, order),
-            ("ngram_counts", ngram_counts, order),
-            ("ngram_rank", ngram_rank, order),
-            ("ctx_keys", ctx_keys, order - 1),
-            ("ctx_totals", ctx_totals, order - 1),
-        ):
-            if len(lst) != want:
-                raise ValueError(
-                    f"{name}: expected {want} arrays for order {order}, got {len(lst)}"
-                )
-        for n in range(1, order + 1):
-            k, c, r = ngram_keys[n - 1], ngram_counts[n - 1], ngram_rank[n - 1]
-            if not (k.ndim == c.ndim == r.ndim == 1 and k.shape == c.shape == r.shape):
-                raise ValueError(
-                    f"order {n}: keys/counts/rank shapes differ: {k.shape} {c.shape} {r.shape}"
-                )
-        for c in range(1, order):
-            if ctx_keys[c - 1].shape != ctx_totals[c - 1].shape or ctx_keys[c - 1].ndim != 1:
-                raise ValueError(
-                    f"context length {c}: keys/totals shapes differ: "
-                    f"{ctx_keys[c - 1].shape} {ctx_totals[c - 1].shape}"
-                )
+        _check_vocab_size(vocab_size)
+        _check_arrays(order, ngram_keys, ngram_counts, ngram_rank, ctx_keys, ctx_totals)
         self.order: int = int(order)
         self.vocab_size: int = int(vocab_size)
         self.min_count: int = int(min_count)
@@ -305,8 +387,7 @@ class NGramModel:
         """
         _check_order(order)
         _check_min_count(min_count)
-        if not 1 <= vocab_size <= TOKEN_LIMIT:
-            raise ValueError(f"vocab_size must be in [1, {TOKEN_LIMIT}], got {vocab_size}")
+        _check_vocab_size(vocab_size)
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
 
@@ -446,6 +527,58 @@ class NGramModel:
             arr = np.where(bad, -1, arr)
         return arr  # [M, order-1]
 
+    def _backoff(
+        self,
+        cx: np.ndarray,
+        todo: np.ndarray,
+        probe: Callable[[int, np.ndarray, np.ndarray], np.ndarray],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The backoff shared by every query: try the longest context first, then shorter ones.
+
+        For n = order .. 1, the rows still in ``todo`` (updated in place) whose last n-1 context
+        tokens are all present are offered to ``probe(n, idx [R], ctx_key [R]) -> hit [R] bool``
+        (``ctx_key``: their packed length-(n-1) contexts, zeros for n = 1); a hit row is resolved
+        at order n and leaves ``todo``. Returns level [M] (the order used, 0 = unresolved) and
+        total [M] (the raw total of the resolving context, 0 = unresolved) as int64.
+        """
+        m = cx.shape[0]
+        level = np.zeros(m, dtype=np.int64)  # [M]
+        total = np.zeros(m, dtype=np.int64)  # [M]
+        for n in range(self.order, 0, -1):
+            c = n - 1
+            if self._keys[n - 1].size == 0:
+                continue
+            rows = todo.copy()
+            if c > 0:
+                rows &= (cx[:, self.context_len - c :] >= 0).all(axis=1)
+            idx = np.flatnonzero(rows)  # [R]
+            if idx.size == 0:
+                continue
+            if c > 0:
+                ctx_key = _pack(cx[idx, self.context_len - c :])  # [R]
+            else:
+                ctx_key = np.zeros(idx.size, dtype=np.int64)  # [R]
+            hit = probe(n, idx, ctx_key)  # [R]
+            if not hit.any():
+                continue
+            hidx = idx[hit]  # [H]
+            level[hidx] = n
+            total[hidx] = self._context_totals(c, ctx_key[hit])
+            todo[hidx] = False
+        return level, total
+
+    def _context_totals(self, c: int, ctx_key: np.ndarray) -> np.ndarray:
+        """Raw totals [H] int64 of stored length-``c`` contexts (c = 0: the unigram total)."""
+        if c == 0:
+            return np.full(ctx_key.size, self.unigram_total, dtype=np.int64)
+        ck = self._ctx_keys[c - 1]
+        cpos = np.searchsorted(ck, ctx_key)  # [H]
+        # Every stored entry has its context stored; fail loudly on a corrupt model.
+        cpos_c = np.minimum(cpos, max(ck.size - 1, 0))
+        if ck.size == 0 or not np.array_equal(ck[cpos_c], ctx_key):
+            raise ValueError(f"corrupt n-gram model: order-{c + 1} context missing")
+        return self._ctx_totals[c - 1][cpos_c].astype(np.int64)
+
     def lookup(
         self,
         ctx: np.ndarray,
@@ -470,47 +603,19 @@ class NGramModel:
         m = tok.size
         cx = self._prep_ctx(ctx, m)  # [M, order-1]
         out_count = np.zeros(m, dtype=np.int64)  # [M]
-        out_total = np.zeros(m, dtype=np.int64)  # [M]
-        out_level = np.zeros(m, dtype=np.int64)  # [M]
-        todo = (tok >= 0) & (tok < TOKEN_LIMIT)  # [M] rows still unresolved
-        for n in range(self.order, 0, -1):
-            c = n - 1
-            rows = todo.copy()
-            if c > 0:
-                suffix = cx[:, self.context_len - c :]  # [M, c]
-                rows &= (suffix >= 0).all(axis=1)
-            idx = np.flatnonzero(rows)  # [R]
-            if idx.size == 0:
-                continue
+
+        def probe(n: int, idx: np.ndarray, ctx_key: np.ndarray) -> np.ndarray:
+            """Rows whose (context, token) n-gram is stored with count >= min_count."""
             keys = self._keys[n - 1]
-            if keys.size == 0:
-                continue
-            if c > 0:
-                ctx_key = _pack(cx[idx, self.context_len - c :])  # [R]
-                q = (ctx_key << TOKEN_BITS) | tok[idx]  # [R]
-            else:
-                q = tok[idx]  # [R]
-            pos = np.searchsorted(keys, q)  # [R]
-            pos_c = np.minimum(pos, keys.size - 1)
-            hit = (pos < keys.size) & (keys[pos_c] == q)  # [R]
-            cnt = self._counts[n - 1][pos_c].astype(np.int64)  # [R]
-            hit &= cnt >= min_count
-            if not hit.any():
-                continue
-            hidx = idx[hit]  # [H]
-            out_count[hidx] = cnt[hit]
-            out_level[hidx] = n
-            if c > 0:
-                ck = self._ctx_keys[c - 1]
-                cpos = np.searchsorted(ck, ctx_key[hit])  # [H]
-                # Every stored entry has its context stored; fail loudly on a corrupt model.
-                cpos_c = np.minimum(cpos, max(ck.size - 1, 0))
-                if ck.size == 0 or not np.array_equal(ck[cpos_c], ctx_key[hit]):
-                    raise ValueError(f"corrupt n-gram model: order-{n} context missing")
-                out_total[hidx] = self._ctx_totals[c - 1][cpos_c].astype(np.int64)
-            else:
-                out_total[hidx] = self.unigram_total
-            todo[hidx] = False
+            q = (ctx_key << TOKEN_BITS) | tok[idx] if n > 1 else tok[idx]  # [R]
+            pos = np.minimum(np.searchsorted(keys, q), keys.size - 1)  # [R]
+            cnt = self._counts[n - 1][pos].astype(np.int64)  # [R]
+            hit = (keys[pos] == q) & (cnt >= min_count)  # [R]
+            out_count[idx[hit]] = cnt[hit]
+            return hit
+
+        todo = (tok >= 0) & (tok < TOKEN_LIMIT)  # [M] rows still unresolved
+        out_level, out_total = self._backoff(cx, todo, probe)
         return out_count, out_total, out_level
 
     def prob(self, ctx: np.ndarray, tokens: np.ndarray, min_count: int = 1) -> np.ndarray:
@@ -555,47 +660,24 @@ class NGramModel:
         m = cx.shape[0]
         lo = np.zeros(m, dtype=np.int64)  # [M] start of the chosen context's entry range
         hi = np.zeros(m, dtype=np.int64)  # [M] end (exclusive)
-        total = np.zeros(m, dtype=np.int64)  # [M]
-        level = np.zeros(m, dtype=np.int64)  # [M] order used, 0 = none
-        todo = np.ones(m, dtype=bool)  # [M]
-        for n in range(self.order, 0, -1):
-            c = n - 1
+
+        def probe(n: int, idx: np.ndarray, ctx_key: np.ndarray) -> np.ndarray:
+            """Rows whose context has a continuation with count >= min_count (its entry range)."""
             keys = self._keys[n - 1]
-            if keys.size == 0:
-                continue
-            rows = todo.copy()
-            if c > 0:
-                rows &= (cx[:, self.context_len - c :] >= 0).all(axis=1)
-            idx = np.flatnonzero(rows)  # [R]
-            if idx.size == 0:
-                continue
-            if c > 0:
-                ctx_key = _pack(cx[idx, self.context_len - c :])  # [R]
+            if n > 1:
                 r_lo = np.searchsorted(keys, ctx_key << TOKEN_BITS)  # [R]
                 r_hi = np.searchsorted(keys, (ctx_key + 1) << TOKEN_BITS)  # [R]
             else:
-                ctx_key = np.zeros(idx.size, dtype=np.int64)
                 r_lo = np.zeros(idx.size, dtype=np.int64)
                 r_hi = np.full(idx.size, keys.size, dtype=np.int64)
             nonempty = r_hi > r_lo
             best = np.zeros(idx.size, dtype=np.int64)  # [R] largest count in the context
-            rank = self._rank[n - 1]
-            best[nonempty] = self._counts[n - 1][rank[r_lo[nonempty]]]
+            best[nonempty] = self._counts[n - 1][self._rank[n - 1][r_lo[nonempty]]]
             ok = nonempty & (best >= min_count)  # [R]
-            if not ok.any():
-                continue
-            oidx = idx[ok]
-            lo[oidx], hi[oidx], level[oidx] = r_lo[ok], r_hi[ok], n
-            if c > 0:
-                ck = self._ctx_keys[c - 1]
-                cpos = np.searchsorted(ck, ctx_key[ok])
-                cpos_c = np.minimum(cpos, max(ck.size - 1, 0))
-                if ck.size == 0 or not np.array_equal(ck[cpos_c], ctx_key[ok]):
-                    raise ValueError(f"corrupt n-gram model: order-{n} context missing")
-                total[oidx] = self._ctx_totals[c - 1][cpos_c].astype(np.int64)
-            else:
-                total[oidx] = self.unigram_total
-            todo[oidx] = False
+            lo[idx[ok]], hi[idx[ok]] = r_lo[ok], r_hi[ok]
+            return ok
+
+        level, total = self._backoff(cx, np.ones(m, dtype=bool), probe)
 
         out_tok = np.full((m, k), -1, dtype=np.int64)  # [M, k]
         out_p = np.zeros((m, k), dtype=np.float32)  # [M, k]
@@ -659,86 +741,23 @@ class NGramModel:
         path = Path(path_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"n-gram model directory not found: {path}")
-        meta_path = path / META_FILE
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"n-gram model metadata not found: {meta_path}")
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"corrupt n-gram metadata {meta_path}: {e}") from e
-        if not isinstance(meta, dict):
-            raise ValueError(  # noqa: TRY004 - corrupt file, not a bad argument
-                f"corrupt n-gram metadata {meta_path}: not a JSON object"
-            )
-        if meta.get("format") != FORMAT_NAME:
-            raise ValueError(f"{meta_path}: not an n-gram model (format={meta.get('format')!r})")
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{meta_path}: unsupported format_version {meta.get('format_version')!r} "
-                f"(expected {FORMAT_VERSION})"
-            )
-        if meta.get("token_bits", TOKEN_BITS) != TOKEN_BITS:
-            raise ValueError(f"{meta_path}: token_bits {meta.get('token_bits')} != {TOKEN_BITS}")
-        try:
-            order = int(meta["order"])
-            vocab_size = int(meta["vocab_size"])
-            min_count = int(meta["min_count"])
-            unigram_total = int(meta["unigram_total"])
-            num_tokens = int(meta["num_tokens_trained"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"corrupt n-gram metadata {meta_path}: bad or missing {e}") from e
-        try:
-            _check_order(order)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{meta_path}: {e}") from e
-
-        mode = "r" if mmap else None
-
-        def read(stem: str, dtype: np.dtype[Any]) -> np.ndarray:
-            f = path / f"{stem}.npy"
-            if not f.is_file():
-                raise FileNotFoundError(f"n-gram array file missing: {f}")
-            try:
-                arr = np.load(f, mmap_mode=mode, allow_pickle=False)
-            except (ValueError, OSError, EOFError) as e:
-                raise ValueError(f"corrupt n-gram array file {f}: {e}") from e
-            if arr.dtype != dtype or arr.ndim != 1:
-                raise ValueError(
-                    f"corrupt n-gram array file {f}: expected 1-D {dtype}, "
-                    f"got {arr.ndim}-D {arr.dtype}"
-                )
-            return np.asarray(arr)  # plain ndarray view of the memmap (no copy)
-
-        keys, counts, ranks, ckeys, ctots = [], [], [], [], []
-        for n in range(1, order + 1):
-            keys.append(read(f"ngram{n}_keys", np.dtype(np.int64)))
-            counts.append(read(f"ngram{n}_counts", np.dtype(np.uint32)))
-            ranks.append(read(f"ngram{n}_rank", np.dtype(np.uint32)))
-            if not keys[-1].shape == counts[-1].shape == ranks[-1].shape:
-                raise ValueError(f"{path}: order-{n} keys/counts/rank lengths differ")
-        for c in range(1, order):
-            ckeys.append(read(f"ctx{c}_keys", np.dtype(np.int64)))
-            ctots.append(read(f"ctx{c}_totals", np.dtype(np.uint64)))
-            if ckeys[-1].shape != ctots[-1].shape:
-                raise ValueError(f"{path}: context-{c} keys/totals lengths differ")
-        info = meta.get("info") or {}
-        if not isinstance(info, dict):
-            raise ValueError(  # noqa: TRY004 - corrupt file, not a bad argument
-                f"corrupt n-gram metadata {meta_path}: 'info' is not an object"
-            )
+        meta = _read_meta(path / META_FILE)
+        order, mode = meta["order"], "r" if mmap else None
+        a = {s: _read_array(path / f"{s}.npy", dt, mode) for s, dt in _layout(order).items()}
+        orders, ctx_lens = range(1, order + 1), range(1, order)
         try:
             return cls(
                 order=order,
-                vocab_size=vocab_size,
-                ngram_keys=keys,
-                ngram_counts=counts,
-                ngram_rank=ranks,
-                ctx_keys=ckeys,
-                ctx_totals=ctots,
-                unigram_total=unigram_total,
-                min_count=min_count,
-                num_tokens_trained=num_tokens,
-                meta=info,
+                vocab_size=meta["vocab_size"],
+                ngram_keys=[a[f"ngram{n}_keys"] for n in orders],
+                ngram_counts=[a[f"ngram{n}_counts"] for n in orders],
+                ngram_rank=[a[f"ngram{n}_rank"] for n in orders],
+                ctx_keys=[a[f"ctx{c}_keys"] for c in ctx_lens],
+                ctx_totals=[a[f"ctx{c}_totals"] for c in ctx_lens],
+                unigram_total=meta["unigram_total"],
+                min_count=meta["min_count"],
+                num_tokens_trained=meta["num_tokens_trained"],
+                meta=meta["info"],
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"corrupt n-gram model {path}: {e}") from e

@@ -11,10 +11,22 @@ No Ray import here.
 """
 
 from dart_ray.parallel.launch import LocalTPGroup, build_tp_engine, start_local_tp, tp_worker_main
-from dart_ray.parallel.lockstep import (TPCacheProxy, TPGroup, TPModelProxy, follower_loop,
-                                        init_tp_group, local_group)
-from dart_ray.parallel.tp import (RowParallelLinear, ShardPlan, apply_tensor_parallel, new_tp_cache,
-                                  shard_plan, split_sizes)
+from dart_ray.parallel.lockstep import (
+    TPCacheProxy,
+    TPGroup,
+    TPModelProxy,
+    follower_loop,
+    init_tp_group,
+    local_group,
+)
+from dart_ray.parallel.tp import (
+    RowParallelLinear,
+    ShardPlan,
+    apply_tensor_parallel,
+    new_tp_cache,
+    shard_plan,
+    split_sizes,
+)
 
 __all__ = [
     "LocalTPGroup", "RowParallelLinear", "ShardPlan", "TPCacheProxy", "TPGroup", "TPModelProxy",

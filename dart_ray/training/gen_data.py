@@ -5,17 +5,34 @@ rename), so an interrupted run resumes at the first missing shard. Generation us
 own engine; speculative methods are lossless, so ``method="ngram"`` yields exactly the target's
 greedy answers, only faster.
 
-Columns: prompt (str), source (code|chat), chat (bool), prompt_ids (list<int32>),
-response_ids (list<int32>), split (train|val; by a hash of the prompt).
+Columns: prompt (str), source (code|chat|text), chat (bool), prompt_ids (list<int32>),
+response_ids (list<int32>), split (train|val; by a hash of the prompt), category (str; the
+self-instruct seed category, "" otherwise), followup (str; the second user turn of a multi-turn row,
+"" otherwise). Shards written before the last two columns existed read the same.
+
+Multi-turn rows (self-instruct prompts marked ``multi_turn``): the target answers turn 1, then
+writes a follow-up user turn that refers to its own answer
+(:func:`~dart_ray.training.selfinstruct.followup_meta_prompt`, cleaned like every generated
+request, must refer back (:func:`~dart_ray.training.selfinstruct.refers_back`) and must not be
+near an evaluation prompt), then answers it; ``prompt_ids`` is the chat template over
+[user, assistant, user] and ``response_ids`` the second answer, so one row teaches both turns. A
+follow-up that fails these checks leaves the row single-turn.
+
+``corpus.json`` in the output directory records the prompt list's hash: resuming with another
+corpus (other counts, seed or prompt directory) is refused instead of mixing two corpora.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
-SCHEMA_COLUMNS = ("prompt", "source", "chat", "prompt_ids", "response_ids", "split")
+SCHEMA_COLUMNS = ("prompt", "source", "chat", "prompt_ids", "response_ids", "split", "category",
+                  "followup")
+DOMAINS = {"chat": "chat", "code": "code", "text": "code"}
+"""Evaluation domain of each row source (teacher-only stdlib text is code)."""
 
 
 def split_of(prompt: str, val_frac: float) -> str:
@@ -23,13 +40,16 @@ def split_of(prompt: str, val_frac: float) -> str:
     return "val" if h < val_frac else "train"
 
 
-def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500, max_new_tokens: int = 128,
-                  batch_size: int = 16, temperature: float = 0.0, model: str | None = None, dtype: str = "bf16",
-                  method: str = "ngram", shard_size: int = 64, seed: int = 0, val_frac: float = 0.05,
-                  threads: int | None = None, progress: bool = True, corpus: list[dict] | None = None,
-                  max_shards: int | None = None) -> Path:
-    """Generate target answers for ``corpus`` (default: :func:`build_corpus`) into parquet shards
-    (only the first ``max_shards`` shards when given: a budgeted run that a later call may extend)."""
+def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
+                  max_new_tokens: int = 128, batch_size: int = 16, temperature: float = 0.0,
+                  model: str | None = None, dtype: str = "bf16", method: str = "ngram",
+                  shard_size: int = 64, seed: int = 0, val_frac: float = 0.05, threads: int
+                  | None = None, progress: bool = True, corpus: list[dict] | None = None,
+                  max_shards: int | None = None, prompts_dir: str | Path | None = None,
+                  followup_temperature: float = 0.7, engine=None) -> Path:
+    """Generate target answers for ``corpus`` (default: :func:`build_corpus`, its chat half from
+    ``prompts_dir`` when given) into parquet shards (only the first ``max_shards`` shards when
+    given: a budgeted run that a later call may extend)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -38,13 +58,24 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500, ma
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = corpus if corpus is not None else build_corpus(n_code, n_chat, seed)
+    if corpus is not None:
+        rows = corpus
+    else:
+        chat_rows = None
+        if prompts_dir is not None:
+            from dart_ray.training.selfinstruct import load_prompt_rows
+
+            chat_rows = load_prompt_rows(prompts_dir)
+        rows = build_corpus(n_code, n_chat, seed, chat_rows=chat_rows)
+    _check_corpus_manifest(out, rows, shard_size)
     shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)][:max_shards]
     todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.parquet").is_file()]
     if not todo:
         return out
-    engine = Engine.from_config(EngineConfig(model=model, method=method, ngram="none", dtype=dtype,
-                                             max_batch_size=batch_size, num_threads=threads))
+    if engine is None:
+        engine = Engine.from_config(EngineConfig(model=model, method=method, ngram="none",
+                                                 dtype=dtype, max_batch_size=batch_size,
+                                                 num_threads=threads))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     bar = None
     if progress:
@@ -59,10 +90,17 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500, ma
                 continue
             texts = [r["prompt"] for r in part]
             comps = engine.generate(texts, params, chat=chat)
-            for r, c in zip(part, comps):
-                recs.append({"prompt": r["prompt"], "source": r["source"], "chat": chat,
-                             "prompt_ids": engine.encode_prompt(r["prompt"], chat), "response_ids": c.token_ids,
-                             "split": split_of(r["prompt"], val_frac)})
+            follow = (_followups(engine, part, comps, params, seed * 1_000_003 + i,
+                                 followup_temperature)
+                      if chat else {})
+            for k, (r, c) in enumerate(zip(part, comps, strict=True)):
+                rec = {"prompt": r["prompt"], "source": r["source"], "chat": chat,
+                       "prompt_ids": engine.encode_prompt(r["prompt"], chat),
+                       "response_ids": c.token_ids, "split": split_of(r["prompt"], val_frac),
+                       "category": r.get("category", ""), "followup": ""}
+                if k in follow:
+                    rec.update(follow[k])
+                recs.append(rec)
             if bar is not None:
                 bar.update(len(part))
         table = pa.table({k: [r[k] for r in recs] for k in SCHEMA_COLUMNS})
@@ -75,29 +113,114 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500, ma
     return out
 
 
+def _followups(engine, part: list[dict], comps, params, seed: int,
+               temperature: float) -> dict[int, dict]:
+    """Second turns of the multi-turn rows of ``part`` (answered in ``comps``; the follow-up is
+    sampled at ``temperature``, answered with ``params`` like turn 1): index in ``part`` -> the row
+    fields that change (followup, prompt_ids of the conversation, response_ids)."""
+    from dart_ray import SamplingParams
+    from dart_ray.training.neardup import EvalFilter
+    from dart_ray.training.selfinstruct import clean_request, followup_meta_prompt, refers_back
+
+    idx = [k for k, r in enumerate(part) if r.get("multi_turn") and comps[k].text.strip()]
+    if not idx:
+        return {}
+    # a follow-up is a new user prompt: it too must not be an evaluation prompt
+    evals = EvalFilter()
+    metas = [followup_meta_prompt(part[k]["prompt"], comps[k].text) for k in idx]
+    sp = [SamplingParams(max_new_tokens=64, temperature=temperature, top_p=0.95, seed=seed + k,
+                         stop=("\n",))
+          for k in idx]
+    convs = {}
+    for k, c in zip(idx, engine.generate(metas, sp), strict=True):
+        text = clean_request(c.text) if c.finish_reason == "stop" else None
+        if text is not None and refers_back(text, part[k]["prompt"],
+                                            comps[k].text) and text not in evals:
+            convs[k] = [{"role": "user", "content": part[k]["prompt"]},
+                        {"role": "assistant", "content": comps[k].text.strip()},
+                        {"role": "user", "content": text}]
+    if not convs:
+        return {}
+    keys = sorted(convs)
+    answers = engine.generate([convs[k] for k in keys], params)
+    return {k: {"followup": convs[k][2]["content"],
+                "prompt_ids": engine.encode_prompt(convs[k], True), "response_ids": a.token_ids}
+            for k, a in zip(keys, answers, strict=True)}
+
+
+def _check_corpus_manifest(out: Path, rows: list[dict], shard_size: int) -> None:
+    """Refuse to resume ``out`` with another corpus than the one its shards were made from."""
+    h = hashlib.sha256(json.dumps([[r["prompt"], r["chat"], bool(r.get("multi_turn"))]
+                                   for r in rows]).encode())
+    want = {"rows": len(rows), "shard_size": shard_size, "sha256": h.hexdigest()}
+    f = out / "corpus.json"
+    if f.is_file():
+        have = json.loads(f.read_text())
+        if have != want:
+            raise ValueError(f"{out} holds shards of another corpus ({have['rows']} rows, shard "
+                             f"size {have['shard_size']}; now {want['rows']}, {shard_size}): use a "
+                             "new --out, or the same --n-code/--n-chat/--seed/--prompts as the run "
+                             "that made it")
+    else:
+        if any(out.glob("shard-*.parquet")):
+            print(f"warning: {out} has shards but no corpus.json (made before it existed); cannot "
+                  "check that they come from this corpus")
+        tmp = out / ".corpus.json.tmp"
+        tmp.write_text(json.dumps(want))
+        os.replace(tmp, f)
+
+
 def load_sequences(data_dir: str | Path, split: str) -> list[tuple[list[int], int]]:
     """(prompt + response ids, prompt length) for every row of ``split``."""
+    return [(ids, n) for ids, n, _ in load_rows(data_dir, split)]
+
+
+def load_rows(data_dir: str | Path, split: str) -> list[tuple[list[int], int, str]]:
+    """(prompt + response ids, prompt length, domain) for every row of ``split``; the domain is
+    ``chat`` or ``code`` (:data:`DOMAINS`)."""
     import pyarrow.parquet as pq
 
-    files = sorted(Path(data_dir).glob("shard-*.parquet")) + sorted(Path(data_dir).glob("text-*.parquet"))
+    data = Path(data_dir)
+    files = sorted(data.glob("shard-*.parquet")) + sorted(data.glob("text-*.parquet"))
     if not files:
         raise FileNotFoundError(f"no shard-*.parquet in {data_dir}; run `dart-ray gen-data` first")
     out = []
     for f in files:
-        t = pq.read_table(f, columns=["prompt_ids", "response_ids", "split"]).to_pydict()
-        for p, r, s in zip(t["prompt_ids"], t["response_ids"], t["split"]):
+        t = pq.read_table(f, columns=["prompt_ids", "response_ids", "split", "source"]).to_pydict()
+        for p, r, s, src in zip(t["prompt_ids"], t["response_ids"], t["split"], t["source"],
+                                strict=True):
             if s == split and len(r) >= 2:
-                out.append((list(p) + list(r), len(p)))
+                out.append((list(p) + list(r), len(p), DOMAINS.get(src, "chat")))
     return out
 
 
-def write_text_corpus(out_dir: str | Path, n_tokens: int, model: str | None = None, chunk_len: int = 320,
-                      seed: int = 0, val_frac: float = 0.02) -> Path:
+def describe_data(data_dir: str | Path) -> dict:
+    """Row counts of a data directory: by source, self-instruct rows, two-turn rows (for the
+    card)."""
+    import pyarrow.parquet as pq
+
+    out = {"rows_by_source": {}, "self_instruct_rows": 0, "multi_turn_rows": 0}
+    data = Path(data_dir)
+    files = sorted(data.glob("shard-*.parquet")) + sorted(data.glob("text-*.parquet"))
+    for f in files:
+        names = pq.read_schema(f).names
+        t = pq.read_table(f, columns=[c for c in ("source", "category", "followup")
+                                      if c in names]).to_pydict()
+        for src in t["source"]:
+            out["rows_by_source"][src] = out["rows_by_source"].get(src, 0) + 1
+        out["self_instruct_rows"] += sum(1 for c in t.get("category", []) if c)
+        out["multi_turn_rows"] += sum(1 for c in t.get("followup", []) if c)
+    return out
+
+
+def write_text_corpus(out_dir: str | Path, n_tokens: int, model: str | None = None,
+                      chunk_len: int = 320, seed: int = 0, val_frac: float = 0.02) -> Path:
     """Raw-text training rows (no generation): chunks of Python source from the standard library.
 
     The drafter is trained against the target's own distributions on every position, so text the
     target did not write still teaches it (the teacher pass is ~5x cheaper than generating). Chunks
-    that contain the signature of any HumanEval function are dropped. Written as
+    that contain the signature of any HumanEval function, or are near-duplicates of any evaluation
+    prompt (:class:`~dart_ray.training.neardup.EvalFilter`), are dropped. Written as
     ``text-00000.parquet`` with the same columns as the self-distillation shards (``source=text``,
     the chunk in ``response_ids``), so ``load_sequences`` reads both.
     """
@@ -124,9 +247,13 @@ def write_text_corpus(out_dir: str | Path, n_tokens: int, model: str | None = No
             banned |= set(re.findall(r"def (\w+)\(", p))
     except FileNotFoundError:
         pass
+    from dart_ray.training.neardup import EvalFilter
+
+    evals = EvalFilter()
     tok = load_tokenizer(model)
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "idlelib" not in p.parts)
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts
+                   and "idlelib" not in p.parts)
     random.Random(seed).shuffle(files)
     recs, total = [], 0
     for f in files:
@@ -138,10 +265,12 @@ def write_text_corpus(out_dir: str | Path, n_tokens: int, model: str | None = No
         for i in range(0, len(ids) - 32, chunk_len):
             chunk = ids[i:i + chunk_len]
             body = tok.decode(chunk)
-            if any(f"def {name}(" in body for name in banned):
+            if any(f"def {name}(" in body for name in banned) or body in evals:
                 continue
-            recs.append({"prompt": f"{f.name}:{i}", "source": "text", "chat": False, "prompt_ids": [],
-                         "response_ids": chunk, "split": split_of(f"{f.name}:{i}", val_frac)})
+            recs.append({"prompt": f"{f.name}:{i}", "source": "text", "chat": False,
+                         "prompt_ids": [], "response_ids": chunk,
+                         "split": split_of(f"{f.name}:{i}", val_frac), "category": "",
+                         "followup": ""})
             total += len(chunk)
         if total >= n_tokens:
             break

@@ -1,7 +1,15 @@
 """Token trees: the data structure and the N-gram-pruned beam search that builds them."""
 
 from dart_ray.tree.search import NGramScorer, build_trees, build_trees_with_scores
-from dart_ray.tree.tree import TokenTree, ancestor_mask, chain_tree, empty_tree, merge_paths, pack_trees
+from dart_ray.tree.tree import (
+    TokenTree,
+    ancestor_mask,
+    chain_tree,
+    empty_tree,
+    merge_paths,
+    pack_trees,
+    trie_from_paths,
+)
 
 __all__ = [
     "NGramScorer",
@@ -13,4 +21,5 @@ __all__ = [
     "empty_tree",
     "merge_paths",
     "pack_trees",
+    "trie_from_paths",
 ]

@@ -8,11 +8,12 @@ tokens (N-gram context) and optionally an N-gram scorer.
 Algorithm (vectorised over the batch, the beams and the candidates; the only Python loop is over
 the ``d`` levels):
 
-1. ``d = min(cfg.chunk_len, draft_logits.shape[1])``, ``k = min(cfg.top_k, V)``. One ``topk`` over
-   the vocabulary for all levels: ``[B, d, V] -> [B, d, k]`` (an exact two-stage block-max topk for
-   large V, see :func:`_topk_last`); ``p_draft`` is the softmax over those
-   ``k`` logits (renormalised). A candidate whose logit is ``-inf`` (masked token) gets score
-   ``-inf`` and is never put in the tree.
+1. ``d = min(decoding.draft_depth, draft_logits.shape[1])`` (the draft depth used),
+   ``k = min(decoding.top_k, V)``. One ``topk`` over the vocabulary for all levels:
+   ``[B, d, V] -> [B, d, k]`` (an exact two-stage block-max topk for large V, see
+   :func:`_topk_last`); ``p_draft`` is the softmax over those ``k`` logits (renormalised). A
+   candidate whose logit is ``-inf`` (masked token) gets score ``-inf`` and is never put in the
+   tree.
 2. Level 0: the ``k`` candidates are children of the root with score
    ``ln(p_draft + eps)`` (level weight ``1**-a = 1``, logit weight ``b**0 = 1``; the N-gram term is
    skipped at level 0, as in DART). The best ``beam_width`` become beams.
@@ -44,8 +45,8 @@ Output: a :class:`~dart_ray.tree.tree.TokenTree` with ``1 + N`` nodes, ``N`` = t
 of valid nodes over the batch (``<= tree_budget``). Draft nodes are in *priority order*: effective
 score descending, ties by pool id ascending -- so parents precede children and the first ``n`` nodes
 are exactly the tree this search returns with ``tree_budget = n`` (the adaptive controller truncates
-trees that way). Rows with fewer valid nodes are padded (``valid=False``, parent 0, depth 1, token 0).
-:func:`build_trees_with_scores` also returns the node scores ``[B, 1+N]`` (root 0, padding
+trees that way). Rows with fewer valid nodes are padded (``valid=False``, parent 0, depth 1, token
+0). :func:`build_trees_with_scores` also returns the node scores ``[B, 1+N]`` (root 0, padding
 ``-inf``).
 """
 
@@ -82,19 +83,20 @@ class NGramScorer(Protocol):
 def build_trees(
     roots: torch.Tensor,
     draft_logits: torch.Tensor,
-    cfg: DecodingConfig,
+    decoding: DecodingConfig,
     context: torch.Tensor | None = None,
     ngram: NGramScorer | None = None,
 ) -> TokenTree:
-    """Draft trees for a batch; see the module docstring. Shapes as in :func:`build_trees_with_scores`."""
-    tree, _ = build_trees_with_scores(roots, draft_logits, cfg, context=context, ngram=ngram)
+    """Draft trees for a batch; see the module docstring. Shapes as in
+    :func:`build_trees_with_scores`."""
+    tree, _ = build_trees_with_scores(roots, draft_logits, decoding, context=context, ngram=ngram)
     return tree
 
 
 def build_trees_with_scores(
     roots: torch.Tensor,
     draft_logits: torch.Tensor,
-    cfg: DecodingConfig,
+    decoding: DecodingConfig,
     context: torch.Tensor | None = None,
     ngram: NGramScorer | None = None,
 ) -> tuple[TokenTree, torch.Tensor]:
@@ -103,20 +105,20 @@ def build_trees_with_scores(
     Args:
         roots: ``[B]`` int64 root tokens.
         draft_logits: ``[B, D, V]`` float drafter logits; level 0 predicts the token after the root.
-            Only the first ``min(cfg.chunk_len, D)`` levels are used.
-        cfg: decoding knobs (``chunk_len, top_k, beam_width, tree_budget, ngram_weight,
+            Only the first ``min(decoding.draft_depth, D)`` levels are used.
+        decoding: the knobs (``draft_depth, top_k, beam_width, tree_budget, ngram_weight,
             ngram_min_count, level_weight_exp, logit_weight_base, eps``).
         context: ``[B, c]`` int64 last committed tokens before the root (``-1`` = none); only used
             for N-gram contexts. ``None`` = no context.
         ngram: N-gram scorer, or ``None`` to disable the N-gram term.
 
     Returns:
-        ``(tree, scores)``: ``tree`` has ``[B, 1+N]`` tensors, ``N <= cfg.tree_budget``;
+        ``(tree, scores)``: ``tree`` has ``[B, 1+N]`` tensors, ``N <= decoding.tree_budget``;
         ``scores`` is ``[B, 1+N]`` float32 (root 0, padding ``-inf``).
     """
     # ---------------------------------------------------------------- validation
-    if not isinstance(cfg, DecodingConfig):
-        raise TypeError(f"cfg must be a DecodingConfig, got {type(cfg).__name__}")
+    if not isinstance(decoding, DecodingConfig):
+        raise TypeError(f"decoding must be a DecodingConfig, got {type(decoding).__name__}")
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [B, d, V], got shape {tuple(draft_logits.shape)}")
     if not draft_logits.is_floating_point():
@@ -133,7 +135,7 @@ def build_trees_with_scores(
             raise ValueError(f"context must be [B={B}, c], got shape {tuple(context.shape)}")
         if context.is_floating_point() or context.dtype == torch.bool:
             raise ValueError(f"context must be an integer tensor, got {context.dtype}")
-    use_ngram = ngram is not None and cfg.ngram_weight > 0.0
+    use_ngram = ngram is not None and decoding.ngram_weight > 0.0
     o1 = 0  # N-gram context length (order - 1)
     if use_ngram:
         order = getattr(ngram, "order", None)
@@ -149,22 +151,22 @@ def build_trees_with_scores(
                          valid=torch.empty((0, 1), dtype=torch.bool, device=dev))
         return tree, torch.empty((0, 1), dtype=torch.float32, device=dev)
 
-    d = min(cfg.chunk_len, D)
-    k = min(cfg.top_k, V)
-    W = cfg.beam_width
-    eps = cfg.eps
-    a = cfg.level_weight_exp
-    lvl_w = [(l + 1) ** (-a) for l in range(d)]  # level weight (l+1)^-a
-    draft_w = torch.tensor([lvl_w[l] * cfg.logit_weight_base ** l for l in range(d)],
+    d = min(decoding.draft_depth, D)
+    k = min(decoding.top_k, V)
+    W = decoding.beam_width
+    eps = decoding.eps
+    a = decoding.level_weight_exp
+    lvl_w = [(lvl + 1) ** (-a) for lvl in range(d)]  # level weight (l+1)^-a
+    draft_w = torch.tensor([lvl_w[lvl] * decoding.logit_weight_base ** lvl for lvl in range(d)],
                            dtype=torch.float32, device=dev)  # [d]
 
     # ---------------------------------------------------------------- per-level candidates
-    top_v, top_i = _topk_last(draft_logits[:, :d], k)         # [B, d, k] each, sorted desc
-    top_v = top_v.float()                                      # [B, d, k]
+    top_v, top_i = _topk_last(draft_logits[:, :d], k)       # [B, d, k] each, sorted desc
+    top_v = top_v.float()                                   # [B, d, k]
     if bool((torch.isnan(top_v) | torch.isposinf(top_v)).any()):
         raise ValueError("draft_logits contain NaN or +inf")
-    finite = top_v > _NEG_INF                                  # [B, d, k]
-    p_draft = torch.softmax(top_v, dim=-1)                     # [B, d, k] (NaN if a level is all -inf)
+    finite = top_v > _NEG_INF                               # [B, d, k]
+    p_draft = torch.softmax(top_v, dim=-1)                  # [B, d, k] (NaN if a level is all -inf)
     p_draft = torch.where(finite, p_draft, torch.zeros_like(p_draft))  # [B, d, k]
     d_inc = torch.log(p_draft + eps) * draft_w[None, :, None]  # [B, d, k] draft term per level
     d_inc = d_inc.masked_fill(~finite, _NEG_INF)               # [B, d, k]
@@ -174,7 +176,8 @@ def build_trees_with_scores(
         if context is None:
             hist = roots[:, None]                                            # [B, 1]
         else:
-            hist = torch.cat([context.to(device=dev, dtype=torch.long), roots[:, None]], 1)  # [B, c+1]
+            ctx_ids = context.to(device=dev, dtype=torch.long)               # [B, c]
+            hist = torch.cat([ctx_ids, roots[:, None]], 1)                   # [B, c+1]
         if hist.shape[1] < o1:
             pad = torch.full((B, o1 - hist.shape[1]), -1, dtype=torch.long, device=dev)  # [B, pad]
             hist = torch.cat([pad, hist], 1)                                 # [B, >=o1]
@@ -208,14 +211,15 @@ def build_trees_with_scores(
             beam_tail = _push(base_tail[:, None, :].expand(B, nb, o1), beam_tok, o1)  # [B, nb, o1]
     offset = k  # pool nodes so far
 
-    for l in range(1, d):
-        cand_tok = top_i[:, l]                                           # [B, k]
-        inc = d_inc[:, l][:, None, :]                                    # [B, 1, k]
+    for lvl in range(1, d):
+        cand_tok = top_i[:, lvl]                                           # [B, k]
+        inc = d_inc[:, lvl][:, None, :]                                    # [B, 1, k]
         if use_ngram:
-            ctx = beam_tail[:, :, None, :].expand(B, nb, k, o1).reshape(B * nb * k, o1)  # [B*nb*k, o1]
+            ctx = beam_tail[:, :, None, :].expand(B, nb, k, o1)                  # [B, nb, k, o1]
+            ctx = ctx.reshape(B * nb * k, o1)                                     # [B*nb*k, o1]
             toks = cand_tok[:, None, :].expand(B, nb, k).reshape(-1)              # [B*nb*k]
-            p_ng = _ngram_prob(ngram, ctx, toks, cfg.ngram_min_count)             # [B*nb*k]
-            ng_w = lvl_w[l] * cfg.ngram_weight
+            p_ng = _ngram_prob(ngram, ctx, toks, decoding.ngram_min_count)        # [B*nb*k]
+            ng_w = lvl_w[lvl] * decoding.ngram_weight
             inc = inc + ng_w * torch.log(p_ng.to(dev).view(B, nb, k) + eps)      # [B, nb, k]
         child = beam_score[:, :, None] + inc                             # [B, nb, k]
         child_eff = torch.minimum(child, beam_eff[:, :, None])           # [B, nb, k]
@@ -228,16 +232,19 @@ def build_trees_with_scores(
         pool_eff.append(child_eff.reshape(B, n_l))
         pool_sizes.append(n_l)
 
-        if l < d - 1:  # next beams
+        if lvl < d - 1:  # next beams
             nb2 = min(W, n_l)
-            cidx = torch.sort(child, dim=1, descending=True, stable=True).indices[:, :nb2]  # [B, nb2]
+            ranked = torch.sort(child, dim=1, descending=True, stable=True).indices
+            cidx = ranked[:, :nb2]                                       # [B, nb2]
             beam_score = child.gather(1, cidx)                           # [B, nb2]
             beam_eff = pool_eff[-1].gather(1, cidx)                      # [B, nb2]
             beam_slot = cidx + (offset + 1)                              # [B, nb2]
             beam_tok = child_tok.gather(1, cidx)                         # [B, nb2]
             if use_ngram:
-                par_beam = torch.div(cidx, k, rounding_mode="floor")     # [B, nb2] index into old beams
-                par_tail = beam_tail.gather(1, par_beam[:, :, None].expand(B, nb2, o1))  # [B, nb2, o1]
+                # [B, nb2] index into the old beams
+                par_beam = torch.div(cidx, k, rounding_mode="floor")
+                par_idx = par_beam[:, :, None].expand(B, nb2, o1)
+                par_tail = beam_tail.gather(1, par_idx)                  # [B, nb2, o1]
                 beam_tail = _push(par_tail, beam_tok, o1)                # [B, nb2, o1]
             nb = nb2
         offset += n_l
@@ -250,7 +257,7 @@ def build_trees_with_scores(
     eff_all = torch.cat(pool_eff, 1)      # [B, P]
     starts = torch.tensor(np.cumsum([0] + pool_sizes[:-1]), dtype=torch.long, device=dev)  # [d]
 
-    n = min(cfg.tree_budget, P)
+    n = min(decoding.tree_budget, P)
     sel = _top_desc(eff_all, n)                                          # [B, n] pool ids
     sel_valid = eff_all.gather(1, sel) > _NEG_INF                        # [B, n] (valid ones first)
     n_out = int(sel_valid.sum(1).max())
@@ -347,7 +354,8 @@ def _push(tail: torch.Tensor, tok: torch.Tensor, o1: int) -> torch.Tensor:
     return torch.cat([tail[:, :, 1:], tok[:, :, None]], 2)  # [B, n, o1]
 
 
-def _ngram_prob(ngram: NGramScorer, ctx: torch.Tensor, toks: torch.Tensor, min_count: int) -> torch.Tensor:
+def _ngram_prob(ngram: NGramScorer, ctx: torch.Tensor, toks: torch.Tensor,
+                min_count: int) -> torch.Tensor:
     """One batched ``ngram.prob`` call; ctx [M, o1], toks [M] -> [M] float32 (CPU), validated."""
     M = toks.shape[0]
     ctx_np = np.ascontiguousarray(ctx.cpu().numpy(), dtype=np.int64)    # [M, o1]

@@ -8,6 +8,7 @@ nodes have ``valid = False``, parent 0 and depth 1; they are never accepted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +21,9 @@ class TokenTree:
     depths: torch.Tensor   # [B, 1+N] int64; root depth 0
     valid: torch.Tensor    # [B, 1+N] bool; root always valid
     draft_probs: torch.Tensor | None = None
-    """[B, 1+N, V] float32, only for drafters that *sample* their drafts (SpS): the draft distribution
-    q that node i's token was drawn from (row 0 unused). With it, sampled rows use the standard
-    p/q rejection rule (chains only); without it drafts are treated as deterministic."""
+    """[B, 1+N, V] float32, only for drafters that *sample* their drafts (SpS): the draft
+    distribution q that node i's token was drawn from (row 0 unused). With it, sampled rows use the
+    standard p/q rejection rule (chains only); without it drafts are treated as deterministic."""
 
     @property
     def batch_size(self) -> int:
@@ -37,11 +38,12 @@ class TokenTree:
         """[B, 1+N, 1+N] bool: ``anc[b, i, j]`` iff j is i or an ancestor of i."""
         return ancestor_mask(self.parents, self.depths)
 
-    def to(self, device: torch.device | str) -> "TokenTree":
+    def to(self, device: torch.device | str) -> TokenTree:
         q = None if self.draft_probs is None else self.draft_probs.to(device)
-        return TokenTree(*(t.to(device) for t in (self.tokens, self.parents, self.depths, self.valid)), q)
+        return TokenTree(*(t.to(device) for t in (self.tokens, self.parents, self.depths,
+                                                  self.valid)), q)
 
-    def truncate(self, n: int) -> "TokenTree":
+    def truncate(self, n: int) -> TokenTree:
         """The trees cut to their first ``n`` draft nodes (and the columns no row uses dropped).
 
         Drafters emit nodes in priority order with parents first, so the cut is prefix-closed and is
@@ -55,17 +57,19 @@ class TokenTree:
         return TokenTree(self.tokens[:, :n_cols], self.parents[:, :n_cols], self.depths[:, :n_cols],
                          self.valid[:, :n_cols], q)
 
-    def select_rows(self, idx: torch.Tensor) -> "TokenTree":
+    def select_rows(self, idx: torch.Tensor) -> TokenTree:
         """The trees of rows ``idx`` ([n] int64)."""
         q = None if self.draft_probs is None else self.draft_probs.index_select(0, idx)
-        return TokenTree(*(t.index_select(0, idx) for t in (self.tokens, self.parents, self.depths, self.valid)), q)
+        cols = (self.tokens, self.parents, self.depths, self.valid)
+        return TokenTree(*(t.index_select(0, idx) for t in cols), q)
 
     def validate(self) -> None:
         """Raise ValueError if the structural invariants do not hold (used in tests)."""
         B, T = self.tokens.shape
         for name in ("parents", "depths", "valid"):
             if getattr(self, name).shape != (B, T):
-                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, want {(B, T)}")
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, want "
+                                 f"{(B, T)}")
         if not bool(self.valid[:, 0].all()) or not bool((self.parents[:, 0] == -1).all()):
             raise ValueError("node 0 must be a valid root with parent -1")
         if T > 1:
@@ -114,7 +118,8 @@ def empty_tree(roots: torch.Tensor) -> TokenTree:
     )
 
 
-def chain_tree(roots: torch.Tensor, chains: torch.Tensor, lengths: torch.Tensor | None = None) -> TokenTree:
+def chain_tree(roots: torch.Tensor, chains: torch.Tensor,
+               lengths: torch.Tensor | None = None) -> TokenTree:
     """Trees that are single chains: root -> chains[b, 0] -> chains[b, 1] -> ...
 
     roots: [B]; chains: [B, K]; lengths: [B] valid chain length per row (default K).
@@ -168,6 +173,50 @@ def pack_trees(roots: torch.Tensor, trees: list[tuple[list[int], list[int]]]) ->
     return TokenTree(tokens, parents, depths, valid).to(roots.device)
 
 
+class Trie:
+    """Draft nodes of one tree built from (parent, token) pairs; a pair already present is shared.
+
+    Node 0 is the root; draft nodes are numbered 1.. in insertion order, so parents precede
+    children (the order :func:`pack_trees` takes). ``budget`` caps the draft nodes (None: no cap).
+    """
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.tokens: list[int] = []     # tokens[i - 1] = token of node i
+        self.parents: list[int] = []    # parents[i - 1] = parent node of node i
+        self.budget = budget
+        self._node: dict[tuple[int, int], int] = {}
+
+    def add(self, parent: int, token: int) -> int | None:
+        """The node of ``token`` under ``parent``, added if new; None if it is new and the budget is
+        spent."""
+        node = self._node.get((parent, token))
+        if node is None:
+            if self.budget is not None and len(self.tokens) >= self.budget:
+                return None
+            self.tokens.append(token)
+            self.parents.append(parent)
+            node = self._node[(parent, token)] = len(self.tokens)
+        return node
+
+    def add_path(self, path: Sequence[int]) -> None:
+        """Add a token path below the root (cut where the budget runs out)."""
+        node: int | None = 0
+        for token in path:
+            node = self.add(node, token)
+            if node is None:
+                return
+
+
+def trie_from_paths(paths: Sequence[Sequence[int]],
+                    budget: int | None = None) -> tuple[list[int], list[int]]:
+    """Merge token paths into one trie -> (tokens, parents) of its draft nodes (``pack_trees``
+    rows)."""
+    trie = Trie(budget)
+    for path in paths:
+        trie.add_path(path)
+    return trie.tokens, trie.parents
+
+
 def merge_paths(tree: TokenTree, paths: list[list[list[int]]]) -> TokenTree:
     """Add token paths (each starting below the root) to every row's tree, sharing nodes.
 
@@ -179,7 +228,8 @@ def merge_paths(tree: TokenTree, paths: list[list[list[int]]]) -> TokenTree:
     (``draft_probs`` is None).
     """
     if tree.draft_probs is not None:
-        raise ValueError("merge_paths: trees with sampled drafts (draft_probs) cannot take extra paths")
+        raise ValueError("merge_paths: trees with sampled drafts (draft_probs) cannot take extra "
+                         "paths")
     if len(paths) != tree.batch_size:
         raise ValueError(f"merge_paths: {len(paths)} path lists for {tree.batch_size} rows")
     if not any(paths):
@@ -187,25 +237,12 @@ def merge_paths(tree: TokenTree, paths: list[list[list[int]]]) -> TokenTree:
     toks, pars, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
     rows: list[tuple[list[int], list[int]]] = []
     for b in range(tree.batch_size):
-        tokens: list[int] = []
-        parents: list[int] = []
-        children: dict[tuple[int, int], int] = {}
-
-        def add(parent: int, tok: int) -> int:
-            node = children.get((parent, tok))
-            if node is None:
-                tokens.append(tok)
-                parents.append(parent)
-                node = children[(parent, tok)] = len(tokens)
-            return node
-
+        trie = Trie()
         for path in paths[b]:
-            node = 0
-            for t in path:
-                node = add(node, t)
+            trie.add_path(path)
         new_index = {0: 0}
         for i in range(1, len(toks[b])):
             if valid[b][i]:
-                new_index[i] = add(new_index[pars[b][i]], toks[b][i])
-        rows.append((tokens, parents))
+                new_index[i] = trie.add(new_index[pars[b][i]], toks[b][i])
+        rows.append((trie.tokens, trie.parents))
     return pack_trees(tree.tokens[:, 0], rows)

@@ -23,7 +23,7 @@ on its token). At the current node with target distribution ``p`` the distinct c
 tried in node-index order; ``x`` is accepted with probability ``p(x) / sum(p)``; on rejection
 ``p(x) := 0`` (the residual) and the next child is tried. If none is accepted the bonus is sampled
 from the residual. By induction each emitted token has exactly the target's processed distribution
-given the prefix, whatever the draft tree was (``tests/test_acceptance.py`` checks this
+given the prefix, whatever the draft tree was (``tests/verify/test_acceptance.py`` checks this
 statistically, including a negative control that must fail).
 
 Sampled drafts (``tree.draft_probs`` set, chains only -- the SpS draft model): the standard rule
@@ -53,18 +53,6 @@ class Acceptance:
     path: torch.Tensor
     num_accepted: torch.Tensor  # [B] int64 accepted draft nodes (path length - 1), 0..d
     bonus: torch.Tensor  # [B] int64 token chosen by the target after the last accepted node
-
-    def emitted(self, tree: TokenTree) -> list[list[int]]:
-        """Per row, the committed tokens of this step: accepted draft tokens then the bonus."""
-        path = self.path.cpu()
-        toks = tree.tokens.cpu()
-        n = self.num_accepted.cpu().tolist()
-        bonus = self.bonus.cpu().tolist()
-        out: list[list[int]] = []
-        for b in range(path.shape[0]):
-            nodes = path[b, 1 : 1 + n[b]]
-            out.append(toks[b, nodes].tolist() + [bonus[b]])
-        return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,8 +145,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``[..., V]`` -> ``[...]``: the argmax over the vocabulary, ties to the lowest index.
 
     On CPU ``max(dim).indices`` computes the same thing several times faster than ``argmax`` for
-    bf16 logits (16 x 23 tree nodes x 49k vocab on 2 cores: 6.1 vs 28.6 ms), which matters when every node
-    of a batch needs its greedy token; both return the first maximal index there (a test pins it).
+    bf16 logits (16 x 23 tree nodes x 49k vocab on 2 cores: 6.1 vs 28.6 ms), which matters when
+    every node of a batch needs its greedy token; both return the first maximal index there (a test
+    pins it).
     """
     if logits.device.type == "cpu":
         return logits.max(dim=-1).indices
@@ -181,7 +170,8 @@ def greedy_accept(tree: TokenTree, logits: torch.Tensor | NodeLogits) -> Accepta
         raise ValueError(f"logits shape {tuple(nl.shape)} does not match tree {(B, T)}")
     dev = nl.device
     rows_i, nodes_i = internal_nodes(tree).nonzero(as_tuple=True)
-    pred = torch.full((B, T), -1, dtype=torch.long, device=dev)  # [B, T] target's next token (internal nodes)
+    # [B, T] the target's next token after each internal node
+    pred = torch.full((B, T), -1, dtype=torch.long, device=dev)
     pred[rows_i, nodes_i] = greedy_tokens(nl.at(rows_i, nodes_i))
     par = tree.parents.clamp(min=0)  # [B, T]
     correct = tree.valid & (tree.tokens == pred.gather(1, par))  # [B, T]
@@ -215,7 +205,8 @@ def _uniforms(n: int, gen: torch.Generator | None) -> list[float]:
 
 class _NodeProbs:
     """Processed target probabilities at tree nodes (the sampling distribution), from NodeLogits:
-    eager on internal nodes, on demand elsewhere, each row with its own temperature / top-k / top-p."""
+    eager on internal nodes, on demand elsewhere, each row with its own temperature / top-k /
+    top-p."""
 
     def __init__(self, tree: TokenTree, logits: NodeLogits, temperature, top_k, top_p) -> None:
         self.logits = logits
@@ -228,13 +219,16 @@ class _NodeProbs:
         self.probs = self._compute(rows, nodes)                           # [K, V] float32
 
     def _compute(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        t, k, p = (v[rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for v in self.params)
+        t, k, p = (v[rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                   for v in self.params)
         return processed_probs(self.logits.at(rows, nodes), t, k, p)
 
     def at(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        """``[n, V]`` probabilities at (rows[j], nodes[j]); nodes without logits yet are computed."""
+        """``[n, V]`` probabilities at (rows[j], nodes[j]); nodes without logits yet are
+        computed."""
         slot = self.slot[rows, nodes]
-        out = torch.empty(rows.shape[0], self.probs.shape[-1], dtype=self.probs.dtype, device=self.probs.device)
+        out = torch.empty(rows.shape[0], self.probs.shape[-1], dtype=self.probs.dtype,
+                          device=self.probs.device)
         have = slot >= 0
         out[have] = self.probs[slot[have]]
         if not bool(have.all()):
@@ -254,9 +248,9 @@ def sample_accept(
 
     ``logits``: ``[B, 1+N, V]`` (or :class:`~dart_ray.verify.logits.NodeLogits`); ``temperature``
     (> 0), ``top_k``, ``top_p``: scalars or ``[B]``; ``generators[b]`` drives row b (``None`` =
-    torch's default CPU generator). Each call consumes exactly ``n_valid_nodes(b) + 1`` uniforms from
-    ``generators[b]`` (one per child tried, one for the bonus, the rest unused), so a row's random
-    stream depends only on its own tree, not on the batch it is in.
+    torch's default CPU generator). Each call consumes exactly ``n_valid_nodes(b) + 1`` uniforms
+    from ``generators[b]`` (one per child tried, one for the bonus, the rest unused), so a row's
+    random stream depends only on its own tree, not on the batch it is in.
     """
     B, T = tree.tokens.shape
     nl = NodeLogits.of(logits)
@@ -266,18 +260,22 @@ def sample_accept(
         raise ValueError(f"need one generator per row: got {len(generators)} for batch {B}")
     t = _per_row(temperature, tree.tokens, torch.float32)
     if bool((t <= 0).any()):
-        raise ValueError("processed_probs needs temperature > 0 (greedy rows are handled by argmax)")
+        raise ValueError("processed_probs needs temperature > 0 (greedy rows are handled by "
+                         "argmax)")
     dev = nl.device
     probs = _NodeProbs(tree, nl, temperature, top_k, top_p)
     par = tree.parents.clamp(min=0)  # [B, T]
     # p_child[b, i] = p(tokens[i] | parent of i): the target mass on node i at its parent
-    par_slot = probs.slot.gather(1, par).clamp(min=0)  # [B, T] (every valid node's parent is internal)
-    p_child = probs.probs[par_slot, tree.tokens] if probs.probs.shape[0] else torch.zeros(B, T, device=dev)
+    # [B, T] (every valid node's parent is internal)
+    par_slot = probs.slot.gather(1, par).clamp(min=0)
+    p_child = (probs.probs[par_slot, tree.tokens] if probs.probs.shape[0]      # [B, T]
+               else torch.zeros(B, T, device=dev))
     if tree.draft_probs is not None:
         if tuple(tree.draft_probs.shape[:2]) != (B, T):
-            raise ValueError(f"draft_probs {tuple(tree.draft_probs.shape)} do not match the tree {(B, T)}")
-        return _sample_accept_pq(tree, probs, p_child.double().cpu().tolist(), tree.valid.cpu().tolist(),
-                                 generators)
+            raise ValueError(f"draft_probs {tuple(tree.draft_probs.shape)} do not match the tree "
+                             f"{(B, T)}")
+        return _sample_accept_pq(tree, probs, p_child.double().cpu().tolist(),
+                                 tree.valid.cpu().tolist(), generators)
     total = probs.probs.sum(dim=-1, dtype=torch.float64)  # [K] (1 up to rounding)
     node_total = torch.where(probs.slot >= 0, total[probs.slot.clamp(min=0)], 1.0)  # [B, T]
     p_child_l = p_child.double().cpu().tolist()
@@ -362,12 +360,12 @@ def _sample_accept_pq(tree: TokenTree, probs: _NodeProbs, p_child_l: list, valid
     if T > 1 and not bool(((tree.parents[:, 1:] == torch.arange(T - 1, device=tree.parents.device))
                            | ~tree.valid[:, 1:]).all()):
         raise ValueError("draft_probs (sampled drafts) are only supported for chain trees")
-    q = tree.draft_probs                                                   # [B, T, V]
-    q_child = q.gather(2, tree.tokens.unsqueeze(-1)).squeeze(-1)          # [B, T] q(token_i)
+    q = tree.draft_probs                                          # [B, T, V]
+    q_child = q.gather(2, tree.tokens.unsqueeze(-1)).squeeze(-1)  # [B, T] q(token_i)
     q_child_l = q_child.double().cpu().tolist()
     paths: list[list[int]] = []
     last_nodes: list[int] = []
-    rejected: list[int] = []                                               # rejected node per row (-1: none)
+    rejected: list[int] = []                                      # rejected node per row (-1: none)
     bonus_u: list[float] = []
     for b in range(B):
         n_valid = sum(valid_l[b][1:])
@@ -377,7 +375,7 @@ def _sample_accept_pq(tree: TokenTree, probs: _NodeProbs, p_child_l: list, valid
             px, qx = p_child_l[b][i], q_child_l[b][i]
             if qx <= 0:
                 raise ValueError("a sampled draft token has q(x) = 0")
-            if u[i - 1] * qx < px:                                         # accept w.p. min(1, p/q)
+            if u[i - 1] * qx < px:                                # accept w.p. min(1, p/q)
                 path.append(i)
             else:
                 rej = i
@@ -388,9 +386,9 @@ def _sample_accept_pq(tree: TokenTree, probs: _NodeProbs, p_child_l: list, valid
         bonus_u.append(u[n_valid])
     rows = torch.arange(B, device=dev)
     last = torch.tensor(last_nodes, dtype=torch.long, device=dev)
-    orig = probs.at(rows, last)                                            # [B, V]
+    orig = probs.at(rows, last)                                   # [B, V]
     rej_t = torch.tensor(rejected, dtype=torch.long, device=dev)
-    q_rej = q[rows, rej_t.clamp(min=0)]                                    # [B, V]
+    q_rej = q[rows, rej_t.clamp(min=0)]                           # [B, V]
     resid = torch.where((rej_t >= 0)[:, None], (orig - q_rej).clamp(min=0), orig)
     return _acceptance(tree, paths, _draw(resid, orig, bonus_u))
 
@@ -440,7 +438,8 @@ def accept(
         _put_rows(out, idx, greedy_accept(tree.select_rows(idx), logits.select_rows(idx)))
     sampled = [b for b, sp in enumerate(params_list) if not sp.greedy]
     idx = torch.tensor(sampled, dtype=torch.long, device=dev)
-    temps = torch.tensor([params_list[b].temperature for b in sampled], dtype=torch.float32, device=dev)
+    temps = torch.tensor([params_list[b].temperature for b in sampled], dtype=torch.float32,
+                         device=dev)
     ks = torch.tensor([params_list[b].top_k for b in sampled], dtype=torch.long, device=dev)
     ps = torch.tensor([params_list[b].top_p for b in sampled], dtype=torch.float32, device=dev)
     sub = sample_accept(tree.select_rows(idx), logits.select_rows(idx), temps, ks, ps,
@@ -450,7 +449,8 @@ def accept(
 
 
 def _put_rows(out: Acceptance, idx: torch.Tensor, sub: Acceptance) -> None:
-    """Write the per-row results ``sub`` (rows ``idx`` of ``out``, possibly narrower paths) into ``out``."""
+    """Write the per-row results ``sub`` (rows ``idx`` of ``out``, possibly narrower paths) into
+    ``out``."""
     out.path[idx, :sub.path.shape[1]] = sub.path
     out.num_accepted[idx] = sub.num_accepted
     out.bonus[idx] = sub.bonus

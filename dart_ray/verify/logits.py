@@ -7,8 +7,8 @@ AVX2 CPU in fp32, 9 ms at 1 row and 48 ms at 61 rows). Acceptance reads the logi
 * at the final accepted node, for the bonus token.
 
 So :meth:`NodeLogits.lazy` computes the head eagerly on the root and every node with a valid child,
-and :meth:`NodeLogits.at` computes any other node (an accepted leaf, for its bonus) on demand, in one
-call for all rows that need it. Outputs are bitwise those of the dense head: the same rows go
+and :meth:`NodeLogits.at` computes any other node (an accepted leaf, for its bonus) on demand, in
+one call for all rows that need it. Outputs are bitwise those of the dense head: the same rows go
 through the same head (a test checks greedy and sampled tokens against dense logits).
 """
 
@@ -26,9 +26,9 @@ def internal_nodes(tree: TokenTree) -> torch.Tensor:
     B, T = tree.tokens.shape
     children = torch.zeros(B, T, dtype=torch.long, device=tree.tokens.device)
     if T > 1:
-        valid = tree.valid[:, 1:]                                             # [B, T-1]
-        par = torch.where(valid, tree.parents[:, 1:].clamp(min=0), 0)        # [B, T-1] padding -> root
-        children.scatter_add_(1, par, valid.long())                          # duplicates add up
+        valid = tree.valid[:, 1:]                                         # [B, T-1]
+        par = torch.where(valid, tree.parents[:, 1:].clamp(min=0), 0)     # [B, T-1] padding -> root
+        children.scatter_add_(1, par, valid.long())                       # duplicates add up
     has_child = children > 0
     has_child[:, 0] = True
     return has_child
@@ -38,13 +38,15 @@ class NodeLogits:
     """Logits ``[V]`` per (row, node) of a ``[B, T]`` tree batch: dense, or computed on demand."""
 
     def __init__(self, shape: tuple[int, int], dense: torch.Tensor | None = None,
-                 hidden: torch.Tensor | None = None, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 hidden: torch.Tensor | None = None,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None
                  ) -> None:
         self.shape = shape
         self._dense = dense                   # [B, T, V] or None
         self._hidden = hidden                 # [B, T, H] final residual (pre-norm) or None
         self._head = head                     # [n, H] -> [n, V]
-        self._slot: torch.Tensor | None = None  # [B, T] int64 row of _rows holding (b, i); -1 = not computed
+        # [B, T] int64: the row of _rows holding (b, i); -1 = not computed
+        self._slot: torch.Tensor | None = None
         self._rows: list[torch.Tensor] = []   # computed logits chunks [n_k, V]
         self._cat: torch.Tensor | None = None
         self._count = [0]                     # LM-head rows computed (shared with row selections)
@@ -65,7 +67,8 @@ class NodeLogits:
         return cls((int(logits.shape[0]), int(logits.shape[1])), dense=logits)
 
     @classmethod
-    def lazy(cls, tree: TokenTree, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]
+    def lazy(cls, tree: TokenTree, hidden: torch.Tensor,
+             head: Callable[[torch.Tensor], torch.Tensor]
              ) -> NodeLogits:
         """Head eagerly on the root and internal nodes of ``tree``; other nodes on demand."""
         out = cls(tuple(tree.tokens.shape), hidden=hidden, head=head)
@@ -83,7 +86,8 @@ class NodeLogits:
         return (self._dense if self._dense is not None else self._hidden).device
 
     def at(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        """Logits at ``(rows[j], nodes[j])`` -> ``[n, V]``; missing ones computed in one head call."""
+        """Logits at ``(rows[j], nodes[j])`` -> ``[n, V]``; missing ones computed in one head
+        call."""
         if self._dense is not None:
             return self._dense[rows, nodes]
         slot = self._slot[rows, nodes]                                          # [n]
@@ -105,8 +109,8 @@ class NodeLogits:
         """The rows ``idx`` ([n] int64) as their own NodeLogits (sharing computed values)."""
         if self._dense is not None:
             return NodeLogits.of(self._dense.index_select(0, idx))
-        sub = NodeLogits((int(idx.shape[0]), self.shape[1]), hidden=self._hidden.index_select(0, idx),
-                         head=self._head)
+        sub = NodeLogits((int(idx.shape[0]), self.shape[1]),
+                         hidden=self._hidden.index_select(0, idx), head=self._head)
         sub._slot = self._slot.index_select(0, idx)
         sub._cat = self._cat
         sub._count = self._count

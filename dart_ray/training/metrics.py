@@ -1,0 +1,238 @@
+"""What ``train-drafter`` measures while it trains: held-out per-level accuracy per domain, expected
+chain length (:func:`evaluate`, :func:`evaluate_domains`), the metrics log (``metrics.jsonl``) and
+its plot (``training.png``).
+
+Definitions (held-out rows, per domain ``chat`` / ``code``; ``all`` pools both):
+
+* **level-k top-1 / top-5**: over every prefix j of a held-out sequence with position j+k inside
+  it, whether the drafter's level-k prediction (top-1, or any of its top-5) equals the target's
+  argmax at position j+k. Levels are teacher-forced: for DART/Medusa a level's prediction does
+  not depend on the drafted tokens anyway; EAGLE's level k is fed the true tokens before it.
+* **chain_tau** (the primary number, "expected chain length"): 1 + the mean, over prefixes with
+  all d levels inside the sequence, of the number of *leading* correct top-1 levels — the tokens
+  one greedy step would commit with a single-chain draft of depth d (accepted drafts + the bonus
+  token). SpS: its chain of ``depth`` one-token drafts, level 1 at j, j+1, ... .
+* **chain_len_indep**: 1 + sum_{k=1..d} prod_{j<=k} top1_j, the same quantity if levels were
+  independent. Levels of one prefix are positively correlated (an easy position makes the next
+  one easy), so it is usually below chain_tau; logged because it is the form often quoted.
+
+Trees accept more than a chain (several candidates per level); the bench measures that tau.
+
+``metrics.jsonl`` records, one JSON object a line:
+``{"kind": "train", "step", "loss", "lr", "per_level_loss", "wall_s"}`` every step and
+``{"kind": "eval", "step", "domain", "top1", "top5", "chain_tau", "chain_len_indep", "n_prefixes",
+"held_out"}`` per domain at every evaluation. A restarted run drops the records past its checkpoint
+before appending, so the log of a resumed run equals an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from dart_ray.training.objectives import get_objective, pad_batch, student_autocast, teacher_pass
+
+if TYPE_CHECKING:
+    from dart_ray.training.trainer import TrainConfig
+
+
+@dataclass
+class LevelCounts:
+    """Raw counts of one evaluation (summable across batches and domains)."""
+
+    top1: list[float]
+    """Correct top-1 predictions per level."""
+    top5: list[float]
+    total: list[float]
+    """Prefixes with level k inside their sequence, per level."""
+    chain_sum: float = 0.0
+    """Sum over full prefixes of the number of leading correct levels."""
+    n_prefixes: int = 0
+    """Prefixes with all levels inside their sequence."""
+    chain_levels: int | None = None
+    """Chain length when it differs from the number of levels (SpS: depth one-token drafts)."""
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def zeros(cls, levels: int, chain_levels: int | None = None) -> LevelCounts:
+        return cls([0.0] * levels, [0.0] * levels, [0.0] * levels, chain_levels=chain_levels)
+
+    def __add__(self, other: LevelCounts) -> LevelCounts:
+        def add(x: list[float], y: list[float]) -> list[float]:
+            return [a + b for a, b in zip(x, y, strict=True)]
+
+        return LevelCounts(add(self.top1, other.top1), add(self.top5, other.top5),
+                           add(self.total, other.total), self.chain_sum + other.chain_sum,
+                           self.n_prefixes + other.n_prefixes, self.chain_levels)
+
+    def summary(self) -> dict:
+        top1 = [c / max(t, 1.0) for c, t in zip(self.top1, self.total, strict=True)]
+        top5 = [c / max(t, 1.0) for c, t in zip(self.top5, self.total, strict=True)]
+        return {"top1": top1, "top5": top5,
+                "chain_tau": 1.0 + self.chain_sum / max(self.n_prefixes, 1),
+                "chain_len_indep": chain_len_indep(top1, self.chain_levels),
+                "n_prefixes": self.n_prefixes, **self.meta}
+
+
+def chain_len_indep(top1: list[float], chain_levels: int | None = None) -> float:
+    """1 + sum_k prod_{j<=k} top1_j (``chain_levels``: a one-level drafter's chain of that many
+    drafts, every level at ``top1[0]``)."""
+    acc = [top1[0]] * chain_levels if chain_levels else list(top1)
+    out, p = 1.0, 1.0
+    for a in acc:
+        p *= a
+        out += p
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, target, cache, seqs: list, cfg: TrainConfig, t2d: torch.Tensor | None,
+             dtype: str) -> LevelCounts:
+    """Counts of per-level top-1/top-5 hits vs the target's argmax and of leading correct levels on
+    ``seqs`` (``(ids, prompt_len)`` pairs), batched like training, the student's forward under the
+    run's ``dtype`` (:func:`~dart_ray.training.objectives.student_autocast`)."""
+    obj = get_objective(cfg.arch)
+    model.eval()
+    d = obj.levels(cfg)
+    correct = torch.zeros(d)
+    top5 = torch.zeros(d)
+    total = torch.zeros(d)
+    chain = 0.0
+    n_prefix = 0
+    for i in range(0, len(seqs), cfg.seqs_per_step):
+        tokens, lens = pad_batch([s[0][:cfg.max_len] for s in seqs[i:i + cfg.seqs_per_step]])
+        taps, top_id, _ = teacher_pass(target, cache, tokens, lens, obj.taps(model),
+                                       cfg.teacher_topk)
+        with student_autocast(dtype):
+            logits = obj.forward(model, target, taps, tokens)                 # [B, J, d, Vd]
+        truth = top_id[..., 0]                                                # [B, L] target argmax
+        J = tokens.shape[1] - 1
+        pos = torch.arange(J)[:, None] + torch.arange(1, d + 1)[None, :]     # [J, d]
+        idx = pos.clamp(max=tokens.shape[1] - 1)
+        valid = pos[None] < torch.tensor(lens)[:, None, None]                 # [B, J, d]
+        tgt = truth[:, idx]                                                   # [B, J, d]
+        pred5 = logits.topk(5, dim=-1).indices                                # [B, J, d, 5]
+        if t2d is not None:
+            pred5 = model.d2t[pred5]
+        ok1 = (pred5[..., 0] == tgt) & valid                                  # [B, J, d]
+        ok5 = (pred5 == tgt[..., None]).any(-1) & valid
+        correct += ok1.sum((0, 1)).float()
+        top5 += ok5.sum((0, 1)).float()
+        total += valid.sum((0, 1)).float()
+        lead, full = obj.leading_correct(ok1, valid, lens, cfg)               # [B, J], [B, J]
+        chain += float(lead[full].sum())
+        n_prefix += int(full.sum())
+    model.train()
+    return LevelCounts(correct.tolist(), top5.tolist(), total.tolist(), chain, n_prefix,
+                       chain_levels=obj.chain_levels(cfg))
+
+
+def evaluate_domains(model, target, cache, val: dict[str, list], cfg: TrainConfig,
+                     t2d: torch.Tensor | None, dtype: str) -> dict[str, dict]:
+    """Held-out metrics per domain (``val``: domain -> sequences) and pooled (``all``)."""
+    counts = {dom: evaluate(model, target, cache, seqs, cfg, t2d, dtype)
+              for dom, seqs in val.items() if seqs}
+    out = {dom: c.summary() for dom, c in counts.items()}
+    if counts:
+        pooled = None
+        for c in counts.values():
+            pooled = c if pooled is None else pooled + c
+        out["all"] = pooled.summary()
+    return out
+
+
+class MetricsLog:
+    """Append-only JSONL of training and evaluation records (``metrics.jsonl`` in the run dir)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def records(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash mid-write
+                continue
+        return out
+
+    def append(self, *records: dict) -> None:
+        with open(self.path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+            f.flush()
+
+    def keep_until(self, step: int, seed_from: MetricsLog | None = None) -> None:
+        """Drop records past ``step`` (a restart continues from its checkpoint at ``step``); when
+        this log is empty, start it with ``seed_from``'s records up to ``step`` (a run resumed
+        from another run continues that run's curves)."""
+        src = self if self.path.is_file() or seed_from is None else seed_from
+        keep = [r for r in src.records() if r.get("step", 0) <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, self.path)
+
+
+def plot_metrics(records: list[dict], path: str | Path, title: str = "") -> bool:
+    """Loss, per-level held-out top-1 per domain and chain length over steps -> ``path`` (PNG).
+    False when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    domains = sorted({r["domain"] for r in evals if r["domain"] != "all"}) or ["all"]
+    fig, axes = plt.subplots(1, 2 + len(domains), figsize=(5 * (2 + len(domains)), 4))
+    ax = axes[0]
+    if train:
+        s = [r["step"] for r in train]
+        ax.plot(s, [r["loss"] for r in train], lw=0.6, alpha=0.5, label="loss")
+        w = max(1, len(train) // 50)
+        if w > 1:
+            windows = [train[max(0, i - w + 1):i + 1] for i in range(len(train))]
+            sm = [sum(r["loss"] for r in win) / len(win) for win in windows]
+            ax.plot(s, sm, lw=1.2, label=f"mean of {w}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("weighted KL loss")
+        ax.set_title("training loss")
+        ax.legend(fontsize=7)
+    for ax, dom in zip(axes[1:], domains, strict=False):
+        rs = [r for r in evals if r["domain"] == dom]
+        if rs:
+            s = [r["step"] for r in rs]
+            for t in range(len(rs[-1]["top1"])):
+                ax.plot(s, [r["top1"][t] if t < len(r["top1"]) else float("nan") for r in rs],
+                        marker="o", ms=3, label=f"level {t + 1}")
+            ax.legend(fontsize=7)
+        ax.set_xlabel("step")
+        ax.set_ylabel("top-1 accuracy (held-out)")
+        ax.set_title(f"per-level accuracy: {dom}")
+    ax = axes[-1]
+    for dom in domains:
+        rs = [r for r in evals if r["domain"] == dom]
+        if rs:
+            s = [r["step"] for r in rs]
+            line, = ax.plot(s, [r["chain_tau"] for r in rs], marker="o", ms=3,
+                            label=f"{dom}: chain_tau")
+            ax.plot(s, [r["chain_len_indep"] for r in rs], ls="--", color=line.get_color(),
+                    label=f"{dom}: 1 + sum prod top1")
+    ax.set_xlabel("step")
+    ax.set_ylabel("expected chain length")
+    ax.set_title("expected accepted chain length")
+    ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -1,0 +1,787 @@
+"""Pure parts of the Serve deployment: args, placement, request parsing, metrics, CLI (no Ray
+cluster)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dart_ray import DecodingConfig, DecodingSchedule, EngineConfig, SamplingParams
+from deployments.config import ServeArgs
+from deployments.metrics import ServerMetrics
+from deployments.placement import placement_options, replica_actor_options
+from deployments.protocol import APIError, parse_chat, parse_completion, parse_json, sse, usage
+
+
+# ---- args ----------------------------------------------------------------------------------------
+def test_serve_args_defaults_and_validation():
+    a = ServeArgs.from_dict({"method": "ngram", "decoding": {"tree_budget": 40}, "num_cpus": 0.5})
+    assert a.engine.decoding.tree_budget == 40 and a.engine.method == "ngram"
+    assert ServeArgs.from_dict(None) == ServeArgs()
+    with pytest.raises(ValueError, match=r"unknown keys \['modle'\]"):
+        ServeArgs.from_dict({"modle": "x"})
+    with pytest.raises(ValueError, match="method"):
+        ServeArgs.from_dict({"method": "eagle9"})
+    with pytest.raises(ValueError, match="max_batch_size must be an integer"):
+        ServeArgs.from_dict({"max_batch_size": "8"})
+    with pytest.raises(ValueError, match="DecodingConfig"):
+        ServeArgs.from_dict({"decoding": {"depth": 3}})
+    with pytest.raises(ValueError, match="tree_budget"):
+        ServeArgs.from_dict({"decoding": {"tree_budget": 0}})
+    with pytest.raises(ValueError, match="num_cpus"):
+        ServeArgs.from_dict({"num_cpus": -1})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ServeArgs.from_dict({"tensor_parallel_size": 0})
+    assert ServeArgs(api_key="k").redacted()["api_key"] == "***"
+
+
+def test_serve_args_hold_one_engine_config_nested_or_flat():
+    """Issue 18: the engine's settings are one EngineConfig under ``engine``; flat keys (older
+    configs, ``dart-ray serve`` overrides) are routed into it and win over the nested ones."""
+    nested = ServeArgs.from_dict({"engine": {"method": "ngram", "max_batch_size": 4,
+                                             "decoding": {"tree_budget": 40}}, "num_cpus": 0.5})
+    flat = ServeArgs.from_dict({"method": "ngram", "max_batch_size": 4,
+                                "decoding": {"tree_budget": 40}, "num_cpus": 0.5})
+    assert nested == flat and isinstance(nested.engine, EngineConfig)
+    assert nested.engine == EngineConfig(method="ngram", max_batch_size=4,
+                                         decoding=DecodingConfig(tree_budget=40))
+    assert ServeArgs.from_dict(nested.to_dict()) == nested  # round trip, engine nested
+    assert nested.to_dict()["engine"]["decoding"]["tree_budget"] == 40
+    over = ServeArgs.from_dict({"engine": {"method": "dart", "dtype": "bf16"}, "method": "none"})
+    assert (over.engine.method, over.engine.dtype) == ("none", "bf16")  # flat wins, the rest stays
+    assert ServeArgs.from_dict({"adaptive": None}).engine.adaptive is True    # old "engine default"
+    assert ServeArgs.from_dict({"adaptive": False}).engine.adaptive is False
+    assert ServeArgs.from_dict({"engine": None}) == ServeArgs()
+    assert ServeArgs(engine={"device": "cuda"}).engine.device == "cuda"     # a mapping is read too
+    with pytest.raises(ValueError, match=r"unknown EngineConfig fields \['modle'\]"):
+        ServeArgs.from_dict({"engine": {"modle": "x"}})
+    with pytest.raises(ValueError, match="max_seq_len must be an integer"):
+        ServeArgs.from_dict({"engine": {"max_seq_len": 1.5}})
+    with pytest.raises(ValueError, match="engine must be a mapping"):
+        ServeArgs.from_dict({"engine": "dart", "method": "none"})
+    # placement reads the engine's device: a CUDA engine's replica asks for a GPU
+    from deployments.openai_app import deployment_options
+
+    gpu = deployment_options(ServeArgs(engine=EngineConfig(device="cuda"), tensor_parallel_size=2,
+                                       num_cpus=1))
+    assert gpu["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+    cuda = deployment_options(ServeArgs.from_dict({"device": "cuda"}))
+    assert cuda["ray_actor_options"]["num_gpus"] == 1.0
+
+
+def test_build_app_options_and_tp_hook():
+    from deployments.openai_app import build_app, deployment_options
+
+    opts = deployment_options(ServeArgs(num_cpus=0.5, engine=EngineConfig(max_batch_size=4),
+                                        max_queue=10))
+    assert opts["ray_actor_options"] == {"num_cpus": 0.5}
+    assert opts["max_ongoing_requests"] >= 14 and "placement_group_bundles" not in opts
+    tp = deployment_options(ServeArgs(tensor_parallel_size=2, num_cpus=1))
+    assert tp["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    build_app({"method": "ngram", "num_cpus": 0.1})              # builds without a cluster
+    build_app({"tensor_parallel_size": 2, "method": "ngram", "num_cpus": 0.1})  # TP builds too
+    with pytest.raises(ValueError, match="unknown keys"):
+        build_app({"foo": 1})
+
+
+# ---- placement -----------------------------------------------------------------------------------
+def test_placement_options():
+    assert placement_options(1, "cpu", 2) == {"placement_group_bundles": [{"CPU": 2.0}],
+                                              "placement_group_strategy": "PACK"}
+    o = placement_options(4, "cuda", 1.5)
+    assert o["placement_group_strategy"] == "PACK"
+    assert o["placement_group_bundles"] == [{"CPU": 1.5, "GPU": 1.0}] * 4
+    # the replica actor (rank 0) fits the first bundle
+    ra = replica_actor_options("cuda:0", 1.5)
+    assert ra["num_cpus"] <= o["placement_group_bundles"][0]["CPU"]
+    assert ra["num_gpus"] <= o["placement_group_bundles"][0]["GPU"]
+    assert placement_options(2, "cpu", 0.5, strategy="STRICT_PACK")["placement_group_strategy"] \
+        == "STRICT_PACK"
+    for bad in [(0, "cpu", 1), (2.0, "cpu", 1), (2, "", 1), (2, "cpu", -1), (True, "cpu", 1)]:
+        with pytest.raises(ValueError):
+            placement_options(*bad)
+
+
+# ---- request parsing -----------------------------------------------------------------------------
+def _err(fn, body) -> APIError:
+    with pytest.raises(APIError) as ei:
+        fn(body)
+    return ei.value
+
+
+def test_parse_completion():
+    r = parse_completion({"prompt": "hi", "max_tokens": 5, "temperature": 0, "stop": "x", "seed": 3,
+                          "stream": True, "stream_options": {"include_usage": True}, "top_k": -1})
+    assert (r.prompt, r.max_tokens, r.temperature, r.stop, r.seed, r.top_k) == \
+        ("hi", 5, 0.0, ("x",), 3, 0)
+    assert r.stream and r.include_usage and not r.chat and r.speculative is None
+    assert parse_completion({"prompt": ["hi"]}).prompt == "hi"
+    assert parse_completion({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    assert parse_completion({"prompt": [[1, 2]]}).prompt == [1, 2]
+    assert parse_completion({"prompt": "x"}).max_tokens == 16                 # OpenAI's default
+    assert parse_completion({"prompt": "x", "speculative": False}).speculative == "none"
+    assert parse_completion({"prompt": "x", "speculative": {"method": "ngram"}}).speculative \
+        == "ngram"
+    assert parse_completion({"prompt": "x", "stream_options": {"include_usage": True}}) \
+        .include_usage is False
+    assert _err(parse_completion, {}).code == "missing_required_parameter"
+    assert _err(parse_completion, {"prompt": ["a", "b"]}).code == "unsupported_value"
+    assert _err(parse_completion, {"prompt": 5}).code == "invalid_type"
+    assert _err(parse_completion, {"prompt": "x", "max_tokens": 0}).param == "max_tokens"
+    assert _err(parse_completion, {"prompt": "x", "max_tokens": True}).code == "invalid_type"
+    assert _err(parse_completion, {"prompt": "x", "top_p": 0}).param == "top_p"
+    assert _err(parse_completion, {"prompt": "x", "stop": [""]}).param == "stop"
+    assert _err(parse_completion, {"prompt": "x", "n": 3}).status == 400
+    assert _err(parse_completion, {"prompt": "x", "logprobs": 2}).code == "unsupported_value"
+    assert _err(parse_completion, {"prompt": "x", "presence_penalty": 0.5}).code \
+        == "unsupported_value"
+    assert parse_completion({"prompt": "x", "presence_penalty": 0, "user": "u"}).user == "u"
+    assert _err(parse_completion, {"prompt": "x", "speculative": {"method": "x"}}).param \
+        == "speculative"
+
+
+def test_parse_chat_and_json():
+    r = parse_chat({"messages": [{"role": "developer", "content": "be brief"},
+                                 {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                              {"type": "text", "text": "b"}]}],
+                    "max_completion_tokens": 7})
+    assert r.chat and r.prompt == [{"role": "system", "content": "be brief"},
+                                   {"role": "user", "content": "ab"}]
+    assert r.max_tokens == 7
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).max_tokens is None
+    assert _err(parse_chat, {"messages": []}).param == "messages"
+    assert _err(parse_chat, {"messages": [{"role": "user",
+                                           "content": [{"type": "image_url"}]}]}).code \
+        == "unsupported_value"
+    assert _err(parse_json, b"[1, 2]").code == "invalid_json"
+    assert _err(parse_json, b"").code == "invalid_json"
+    assert _err(parse_json, b"\xff\xfe").code == "invalid_json"
+    assert parse_json(b'{"a": 1}') == {"a": 1}
+
+
+def test_sse_and_usage():
+    assert sse({"a": 1}) == b'data: {"a":1}\n\n'
+    u = usage(3, 4, {"steps": 2, "draft_tokens": 10, "accepted_tokens": 2,
+                     "accepted_per_depth": [2], "mean_accepted_len": 2.0}, "dart")
+    assert u["total_tokens"] == 7 and u["speculative"]["mean_accepted_len"] == 2.0
+    json.dumps(u)
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+def test_metrics_render():
+    m = ServerMetrics("tiny")
+    m.finished("stop", 0.3, 5, 7)
+    m.ttft.observe(0.02)
+    m.error(400)
+    stats = {"main": ("dart", {"row_steps": 10, "spec_row_steps": 10, "draft_tokens": 100,
+                               "draft_depth_tokens": 30, "accepted_tokens": 6,
+                               "accepted_per_depth": [4, 2], "generated_tokens": 16,
+                               "prompt_tokens": 5}),
+             "none": ("none", {"row_steps": 3, "draft_tokens": 0, "accepted_tokens": 0,
+                               "accepted_per_depth": [], "generated_tokens": 3,
+                               "prompt_tokens": 2})}
+    text = m.render(stats, queue_depth=2, num_running=1, num_positions=4)
+    lines = set(text.splitlines())
+    assert 'vllm:spec_decode_num_drafts_total{model_name="tiny"} 10.0' in lines  # AR lane excluded
+    # issue 16: vLLM's draft tokens of a tree = its depth per draft; all nodes have their own name
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="tiny"} 30.0' in lines
+    assert 'dart_ray:spec_decode_tree_nodes_total{model_name="tiny"} 100.0' in lines
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"} 6.0' in lines
+    assert ('vllm:spec_decode_num_accepted_tokens_per_pos_total'
+            '{model_name="tiny",position="1"} 2.0' in lines)
+    assert ('vllm:spec_decode_num_accepted_tokens_per_pos_total'
+            '{model_name="tiny",position="3"} 0.0' in lines)
+    assert 'dart_ray:generation_tokens_total{model_name="tiny"} 19.0' in lines
+    assert 'dart_ray:queue_depth{model_name="tiny"} 2.0' in lines
+    assert 'dart_ray:num_running{model_name="tiny"} 1.0' in lines
+    assert 'dart_ray:request_latency_seconds_bucket{model_name="tiny",le="0.5"} 1.0' in lines
+    assert 'dart_ray:request_latency_seconds_bucket{model_name="tiny",le="0.25"} 0.0' in lines
+    assert 'dart_ray:request_latency_seconds_count{model_name="tiny"} 1.0' in lines
+    assert 'dart_ray:time_to_first_token_seconds_bucket{model_name="tiny",le="+Inf"} 1.0' in lines
+    assert 'dart_ray:request_errors_total{model_name="tiny",status="400"} 1.0' in lines
+    assert "# TYPE dart_ray:request_latency_seconds histogram" in lines
+    for line in text.splitlines():                                   # well-formed exposition
+        assert line.startswith("# ") or len(line.rsplit(" ", 1)) == 2
+
+
+# ---- CLI and config file -------------------------------------------------------------------------
+def test_cli_and_default_config():
+    from deployments.cli import build_parser, overrides_from
+    from deployments.run import load_serve_config
+
+    a = build_parser().parse_args(["--port", "9000", "--model", "/m", "--method", "ngram",
+                                   "--dtype", "fp32", "--replica-cpus", "0.5"])
+    assert a.port == 9000 and a.host is None
+    assert overrides_from(a) == {"model": "/m", "method": "ngram", "dtype": "fp32", "num_cpus": 0.5}
+    # the engine flags are the shared ones (dart_ray.config.add_engine_args); old spellings
+    # still parse
+    a = build_parser().parse_args(["--num-threads", "2", "--max-batch-size", "4", "--no-adaptive",
+                                   "--method", "ar", "--decoding", '{"tree_budget": 12}',
+                                   "--profile", "code"])
+    o = overrides_from(a)
+    assert o == {"num_threads": 2, "max_batch_size": 4, "adaptive": False, "method": "none",
+                 "decoding": {"tree_budget": 12}, "profile": "code"}
+    assert overrides_from(build_parser().parse_args(["--threads", "3"])) == {"num_threads": 3}
+    with pytest.raises(ValueError, match="--method"):
+        overrides_from(build_parser().parse_args(["--method", "auto"]))
+    cfg = load_serve_config(None)
+    app = cfg["applications"][0]
+    assert app["import_path"] == "deployments.openai_app:build_app"
+    shipped = ServeArgs.from_dict(app["args"])  # the shipped args validate
+    assert shipped.engine == EngineConfig()     # ... and are the engine defaults
+    # CLI overrides (flat) go over the shipped file's engine block
+    assert ServeArgs.from_dict({**app["args"], **o}).engine.max_batch_size == 4
+    assert cfg["http_options"]["host"] == "127.0.0.1"
+
+
+def test_load_serve_config_errors(tmp_path):
+    from deployments.run import load_serve_config
+
+    p = tmp_path / "bad.yaml"
+    p.write_text("applications: []\n")
+    with pytest.raises(ValueError, match="applications"):
+        load_serve_config(p)
+    with pytest.raises(FileNotFoundError):
+        load_serve_config(tmp_path / "missing.yaml")
+
+
+def test_engine_errors_map_to_http_statuses():
+    from dart_ray import PromptTooLongError
+    from dart_ray.engine.async_engine import EngineDeadError, EngineStepError, QueueFullError
+    from deployments.errors import engine_error
+
+    cases = [(QueueFullError("full"), 503, "queue_full"),
+             (EngineDeadError("dead"), 503, "engine_unavailable"),
+             (EngineStepError("boom"), 500, "engine_error"),
+             (PromptTooLongError("long"), 400, "context_length_exceeded"),
+             (ValueError("bad"), 400, "invalid_value"), (TypeError("bad"), 400, "invalid_value"),
+             (RuntimeError("?"), 500, None)]
+    for exc, status, code in cases:
+        e = engine_error(exc)
+        assert (e.status, e.code) == (status, code), exc
+        assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_lost_replica_errors_map_to_retryable_503():
+    """Issue 19: whatever Ray or Serve raises when the engine replica (process or node) is gone is a
+    503 ``replica_lost`` with ``Retry-After``; Serve's own refusals are 503s too."""
+    import ray.exceptions as rex
+    from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+
+    from deployments.errors import REPLICA_LOST, ReplicaLostError, engine_error, is_replica_lost
+
+    lost = [rex.ActorDiedError(), rex.ActorUnavailableError("gone", b"1" * 16), rex.RayActorError(),
+            rex.WorkerCrashedError(), ReplicaUnavailableError("r1"),
+            ReplicaLostError("stream ended early")]
+    for exc in lost:
+        assert is_replica_lost(exc), exc
+        e = engine_error(exc, retry_after_s=3)
+        assert (e.status, e.code, e.type, e.headers) == (503, REPLICA_LOST, "server_error",
+                                                         {"Retry-After": "3"})
+        assert "retry" in e.message
+    assert not is_replica_lost(RuntimeError("x")) and not is_replica_lost(ValueError("x"))
+    bp = engine_error(BackPressureError(num_queued_requests=9, max_queued_requests=8))
+    assert (bp.status, bp.code, bp.headers) == (503, "queue_full", {"Retry-After": "1"})
+
+
+def test_api_error_pickles_whole():
+    """The engine deployment sends refusals to the ingress as items: they must survive pickling."""
+    import pickle
+
+    e = APIError(503, "full", "server_error", None, "queue_full", {"Retry-After": "2"})
+    back = pickle.loads(pickle.dumps(e))
+    assert (back.status, back.message, back.type, back.param, back.code, back.headers) == \
+        (503, "full", "server_error", None, "queue_full", {"Retry-After": "2"})
+
+
+def test_tp_args_checked_at_build_time(tiny_dirs):
+    from deployments.openai_app import build_app
+
+    model = str(tiny_dirs["llama"])            # 2 KV heads: TP=2 splits, TP=3 cannot
+    build_app({"model": model, "method": "ngram", "tensor_parallel_size": 2, "num_cpus": 0.1})
+    with pytest.raises(ValueError):
+        build_app({"model": model, "method": "ngram", "tensor_parallel_size": 3, "num_cpus": 0.1})
+
+
+# ---- issue 16: hardening (pure parts) ------------------------------------------------------------
+def test_hardening_args_defaults_and_validation():
+    a = ServeArgs()
+    assert a.allow_speculative_override is False and a.max_lanes == 2
+    assert a.max_body_bytes == 4 * 1024 * 1024 and a.max_prompt_chars is None \
+        and a.replica_niceness == 0
+    for bad in ({"max_lanes": 0}, {"max_body_bytes": 10}, {"max_prompt_chars": 0},
+                {"tokenizer_workers": 0}, {"replica_niceness": 40}, {"retry_after_s": -1},
+                {"max_prompt_chars": "1"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServeArgs.from_dict(bad)
+    from deployments.openai_app import deployment_options
+
+    on = deployment_options(ServeArgs(engine=EngineConfig(max_batch_size=4), max_queue=10,
+                                      allow_speculative_override=True, max_lanes=3))
+    assert on["max_ongoing_requests"] >= 4 * 3 + 10
+
+
+def test_metrics_exposition_parses_with_vllm_names():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dart_ray.engine.async_engine import RequestTiming
+    from deployments.metrics import VLLM_METRICS, token_buckets
+
+    m = ServerMetrics("tiny", replica="r1", node="n1", max_model_len=256)
+    m.first_token(0.05)
+    m.inter_token(0.02)
+    m.observe_iteration(12)
+    m.finished("length", 0.5, 5, 8,
+               timing=RequestTiming(submitted=1.0, scheduled=1.1, first_token=1.2),
+               first_token_s=1.25, end_s=1.5, max_tokens=8)
+    stats = {"main": ("dart", {"row_steps": 4, "spec_row_steps": 3, "draft_tokens": 40,
+                               "draft_depth_tokens": 12, "accepted_tokens": 5,
+                               "accepted_per_depth": [3, 2], "generated_tokens": 9,
+                               "prompt_tokens": 5})}
+    text = m.render(stats, queue_depth=0, num_running=0, num_positions=4, kv_cache_usage=0.25)
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert set(VLLM_METRICS) <= set(fams)
+    assert fams["vllm:prompt_tokens"].type == "counter" \
+        and fams["vllm:e2e_request_latency_seconds"].type == "histogram"
+    for f in fams.values():
+        for s in f.samples:
+            assert (s.labels["model_name"], s.labels["replica"], s.labels["node"]) \
+                == ("tiny", "r1", "n1")
+    v = {s.name: s.value for f in fams.values() for s in f.samples
+         if set(s.labels) == {"model_name", "replica", "node"}}
+    assert v["vllm:spec_decode_num_drafts_total"] == 3 \
+        and v["vllm:spec_decode_num_draft_tokens_total"] == 12
+    assert v["vllm:spec_decode_num_accepted_tokens_total"] == 5 \
+        and v["dart_ray:spec_decode_tree_nodes_total"] == 40
+    assert v["vllm:kv_cache_usage_perc"] == 0.25 and v["vllm:num_preemptions_total"] == 0
+    assert abs(v["vllm:request_queue_time_seconds_sum"] - 0.1) < 1e-9
+    assert abs(v["vllm:request_decode_time_seconds_sum"] - 0.25) < 1e-9
+    assert abs(v["vllm:request_time_per_output_token_seconds_sum"] - 0.25 / 7) < 1e-9
+    assert v["vllm:iteration_tokens_total_sum"] == 12
+    assert token_buckets(256) == (1, 2, 5, 10, 20, 50, 100, 200)
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as parse_openmetrics,
+    )
+
+    om = m.render(stats, queue_depth=0, num_running=0, num_positions=4, kv_cache_usage=0.25,
+                  openmetrics=True)
+    assert {f.name: f.type for f in parse_openmetrics(om)} \
+        == {f.name: f.type for f in fams.values()}
+    assert "# TYPE vllm:prompt_tokens counter" in om.splitlines() and om.endswith("# EOF\n")
+    assert "# TYPE vllm:prompt_tokens_total counter" in text.splitlines()  # the 0.0.4 convention
+
+
+def test_queue_full_maps_to_503_with_retry_after():
+    from dart_ray.engine.async_engine import QueueFullError
+    from deployments.errors import engine_error
+
+    e = engine_error(QueueFullError("full", retry_after_s=2.4))
+    assert (e.status, e.code, e.headers) == (503, "queue_full", {"Retry-After": "2"})
+
+
+def test_prompt_size_and_token_bound():
+    from deployments.protocol import prompt_size
+    from deployments.serving import max_token_chars
+
+    assert prompt_size(parse_completion({"prompt": "abcd"})) == (4, None)
+    assert prompt_size(parse_completion({"prompt": [1, 2, 3]})) == (0, 3)
+    assert prompt_size(parse_chat({"messages": [{"role": "system", "content": "ab"},
+                                                {"role": "user", "content": "cde"}]})) == (5, None)
+
+    class Tok:
+        def get_vocab(self):
+            return {"a": 0, "Ġhello": 1, "<|im_start|>": 2}
+
+    assert max_token_chars(Tok()) == 12
+
+
+def test_reset_niceness_lowers_to_target():
+    import os
+
+    from deployments.replica import reset_niceness
+
+    assert reset_niceness(None) is None
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    assert reset_niceness(now) == now                       # already there: nothing to do
+    assert reset_niceness(19) == now                        # never raises niceness
+
+
+def test_loopback_helpers_and_cli_flags():
+    from deployments.cli import build_parser
+    from deployments.run import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") \
+        and not is_loopback("example.com")
+    a = build_parser().parse_args([])
+    assert a.ray_node_ip == "127.0.0.1" and not a.insecure_no_ray_auth and a.address is None
+    a = build_parser().parse_args(["--address", "10.0.0.1:6379", "--insecure-no-ray-auth"])
+    assert a.address == "10.0.0.1:6379" and a.insecure_no_ray_auth
+
+
+def test_grafana_dashboard_reads_exported_metrics():
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    repo = Path(__file__).resolve().parents[2]
+    dash = json.loads((repo / "deployments/grafana/dart_ray_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    m = ServerMetrics("m", "r", "n")
+    m.error(503)                                     # so the errors family has a sample
+    text = m.render({"main": ("dart", {})}, 0, 0, 2)
+    samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    used = {m for e in exprs for m in re.findall(r"(?:vllm|dart_ray):[a-z0-9_]+", e)}
+    assert used and not used - samples, used - samples
+    assert all('model_name="$model_name"' in e for e in exprs)
+
+
+# ---- issue 18: one decoding schedule per engine; lanes and /metrics read it ----------------------
+def test_lanes_and_metrics_follow_the_loaded_profile(tiny_dirs):
+    """With a profile loaded, a per-request lane decodes with the profile's schedule (it used to
+    copy the default knobs) and /metrics lists the profile's draft depth (it used to list the
+    default's)."""
+    from dart_ray import Engine
+    from dart_ray.drafters import make_drafter
+    from dart_ray.models import load_target
+    from deployments.engine_factory import lane_factory
+    from deployments.serving import draft_positions
+
+    target = load_target(str(tiny_dirs["llama"]), "fp32", max_seq_len=256)
+    cfg = EngineConfig(method="dart", drafter="random", ngram="none", dtype="fp32",
+                       max_batch_size=2, max_seq_len=128, adaptive=False)
+    main = Engine(target, make_drafter(cfg, target), cfg)
+    # no profile: the config's
+    assert draft_positions({"main": main}) == DecodingConfig().draft_depth
+    profile = DecodingSchedule("lanes",
+                               ((1, DecodingConfig(draft_depth=3, tree_budget=5)),
+                                (1024, DecodingConfig(draft_depth=2, tree_budget=4, top_k=3))))
+    main.set_decoding(profile)
+    lane = lane_factory("ngram")(main)
+    assert lane.config.method == "ngram" and lane.target is main.target
+    assert lane.schedule == profile
+    for b in (1, 2):
+        assert lane.decoding_for(b) == main.decoding_for(b) == profile.for_batch_size(b)
+    assert draft_positions({"main": main}) == 3
+    assert draft_positions({"main": main, "ngram": lane}) == 3
+    ar = lane_factory("none")(main)
+    assert draft_positions({"none": ar}) == 0  # plain AR lists none
+    # the lane decodes with those knobs: at batch 1, trees of <= 5 nodes and <= 3 levels
+    out = lane.generate(list(range(5, 15)) * 6,
+                        SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    assert len(out.token_ids) == 24 and out.stats.accepted_tokens > 0
+    assert out.stats.draft_tokens <= 5 * out.stats.steps and len(out.stats.accepted_per_depth) <= 3
+
+
+def test_reconfigure_sets_the_schedule_of_every_lane(tmp_path):
+    """Serve ``user_config`` swaps the schedule of the main engine and of the lanes it holds."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from dart_ray import save_profile
+    from deployments.serving import DartRayServer
+
+    class FakeEngine:
+        def __init__(self):
+            self.schedule = None
+
+        def set_decoding(self, d):
+            self.schedule = d if isinstance(d, DecodingSchedule) else DecodingSchedule.constant(d)
+
+    engines = {"main": FakeEngine(), "ngram": FakeEngine()}
+
+    def call_future(fn, lane="main"):
+        fut = concurrent.futures.Future()
+        fut.set_result(fn(engines if lane is None else engines[lane]))
+        return fut
+
+    server = SimpleNamespace(args=ServeArgs.from_dict({"decoding": {"top_k": 5}}),
+                             aengine=SimpleNamespace(call_future=call_future))
+    reconfigure = getattr(DartRayServer, "func_or_class", DartRayServer).reconfigure
+    reconfigure(server, {"decoding": {"tree_budget": 7}})
+    want = DecodingSchedule.constant(DecodingConfig(top_k=5, tree_budget=7))  # over the args' knobs
+    assert all(e.schedule == want for e in engines.values())
+    prof = DecodingSchedule("p", ((1, DecodingConfig(draft_depth=2)),
+                                  (1024, DecodingConfig(draft_depth=3))))
+    reconfigure(server, {"profile": str(save_profile(prof, tmp_path / "p.yaml"))})
+    assert all(e.schedule == prof for e in engines.values())
+    reconfigure(server, {"decoding": {}})
+    assert all(e.schedule == DecodingSchedule.constant(DecodingConfig()) for e in engines.values())
+    with pytest.raises(ValueError, match="unknown user_config keys"):
+        reconfigure(server, {"knobs": {}})
+
+
+# ---- issue 19: the ingress, apart from the engine deployment -------------------------------------
+def test_build_app_is_an_ingress_in_front_of_the_engine_deployment():
+    """build_app: the light ingress (no model; 0 CPUs on the head node by default; its own replica
+    count) is bound to a handle of the engine deployment, which keeps the replica options."""
+    from deployments.openai_app import build_app, deployment_options, ingress_options
+    from deployments.placement import HEAD_NODE_RESOURCE, ingress_actor_options
+
+    args = ServeArgs.from_dict({"method": "ngram", "num_cpus": 0.5, "num_replicas": 3,
+                                "ingress_num_replicas": 2})
+    ingress = build_app(args.to_dict())._bound_deployment
+    assert ingress.name == "DartRayIngress" and ingress.num_replicas == 2
+    assert ingress.ray_actor_options == {"num_cpus": 0.0, "resources": {HEAD_NODE_RESOURCE: 0.001}}
+    engine = ingress.init_args[1]._bound_deployment                  # bound as a handle argument
+    assert engine.name == "DartRayServer" and engine.num_replicas == 3
+    assert engine.ray_actor_options == deployment_options(args)["ray_actor_options"] \
+        == {"num_cpus": 0.5}
+    # every request the engine replicas can hold fits the ingress at once
+    # (one open stream = one request)
+    assert ingress_options(args)["max_ongoing_requests"] \
+        >= 3 * deployment_options(args)["max_ongoing_requests"]
+    assert ingress_actor_options(0.05, False) == {"num_cpus": 0.05}
+    with pytest.raises(ValueError):
+        ingress_actor_options(-1, True)
+
+
+class _Outputs:
+    """A fake engine stream: yields ``items`` (an exception item is raised there), then ends;
+    ``hang=True`` waits forever after them (a long generation)."""
+
+    def __init__(self, items, hang: bool = False) -> None:
+        self.items, self.hang, self.cancelled = list(items), hang, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        import asyncio
+
+        if not self.items:
+            if self.hang:
+                await asyncio.Event().wait()
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        await asyncio.sleep(0)
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _FakeEngine:
+    """What the ingress sees of the engine deployment (deployments.routes.EngineClient)."""
+
+    def __init__(self, *attempts, hang: bool = False) -> None:
+        self.attempts, self.hang = list(attempts), hang
+        self.request_ids: list[str] = []
+        self.streams: list[_Outputs] = []
+
+    def generate(self, req, request_id):
+        self.request_ids.append(request_id)
+        stream = _Outputs(self.attempts.pop(0) if len(self.attempts) > 1
+                          else list(self.attempts[0]), self.hang)
+        self.streams.append(stream)
+        return stream
+
+    async def call(self, method, *args):
+        if method == "model_card":
+            return {"id": "tiny", "root": "tiny-root", "speculative_method": "ngram",
+                    "object": "model"}
+        if method == "health":
+            return {"status": "ok", "queue_depth": 0, "num_running": 0}
+        if method == "metrics":
+            return "# metrics\n"
+        raise AssertionError(method)
+
+
+def _out(text: str, n: int, finished: bool = False):
+    from dart_ray import RequestOutput, RequestStats
+
+    return RequestOutput(request_id="r", new_token_ids=[n], new_text=text, finished=finished,
+                         finish_reason="length" if finished else None, num_prompt_tokens=3,
+                         num_generated_tokens=n, stats=RequestStats(steps=n))
+
+
+def _asgi(app, method: str, path: str, body: dict | bytes | None = None,
+          headers: dict | None = None,
+          disconnect_after_first_chunk: bool = False) -> tuple[int, dict, bytes]:
+    """One HTTP request through an ASGI app in-process: (status, headers, body)."""
+    import asyncio
+
+    raw = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None
+                                                else b"")
+    h = {"content-type": "application/json", "content-length": str(len(raw)), **(headers or {})}
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(k.lower().encode(), v.encode()) for k, v in h.items()],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 80)}
+    out: dict = {"status": None, "headers": {}, "body": b""}
+
+    async def run() -> None:
+        first_chunk = asyncio.Event()
+        sent_body = False
+
+        async def receive():
+            nonlocal sent_body
+            if not sent_body:
+                sent_body = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            if disconnect_after_first_chunk:
+                await first_chunk.wait()
+                return {"type": "http.disconnect"}
+            await asyncio.Event().wait()
+
+        async def send(m) -> None:
+            if m["type"] == "http.response.start":
+                out["status"] = m["status"]
+                out["headers"] = {k.decode().lower(): v.decode() for k, v in m.get("headers", [])}
+            elif m["type"] == "http.response.body":
+                out["body"] += m.get("body", b"")
+                if m.get("body"):
+                    first_chunk.set()
+
+        await asyncio.wait_for(app(scope, receive, send), 30)
+
+    asyncio.run(run())
+    return out["status"], out["headers"], out["body"]
+
+
+def _ingress(engine, **args):
+    from deployments.routes import Ingress, build_api
+
+    ingress = Ingress(ServeArgs.from_dict(args), engine)
+    return ingress, build_api(ingress)
+
+
+def _events(body: bytes) -> list:
+    return [line[len(b"data: "):] for line in body.split(b"\n\n") if line.startswith(b"data: ")]
+
+
+def test_ingress_auth_is_one_dependency_of_every_route_but_health():
+    from fastapi.routing import APIRoute
+
+    ingress, app = _ingress(_FakeEngine([_out("a", 1, True)]), api_key="k")
+    for route in app.routes:
+        if isinstance(route, APIRoute):
+            calls = [d.call for d in route.dependant.dependencies]
+            assert (ingress.authorize in calls) == (route.path != "/health"), route.path
+    ok = {"Authorization": "Bearer k"}
+    for method, path, body in (("GET", "/v1/models", None), ("GET", "/v1/models/tiny", None),
+                               ("GET", "/metrics", None),
+                               ("POST", "/v1/completions", {"prompt": "x"}),
+                               ("POST", "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "x"}]})):
+        status, _, resp = _asgi(app, method, path, body, {"Authorization": "Bearer wrong"})
+        assert status == 401 and json.loads(resp)["error"]["code"] == "invalid_api_key", path
+        assert _asgi(app, method, path, body, ok)[0] == 200, path
+    assert _asgi(app, "GET", "/health")[0] == 200                          # open
+    status, _, resp = _asgi(app, "GET", "/v1/models/other", None, ok)
+    assert status == 404 and json.loads(resp)["error"]["code"] == "model_not_found"
+    status, _, resp = _asgi(app, "GET", "/v1/nope", None, ok)
+    assert status == 404 and json.loads(resp)["error"]["code"] == "not_found"
+    assert ingress.metrics.errors == {"401": 5, "404": 2}                  # counted where answered
+
+
+def test_ingress_refuses_large_bodies_before_the_engine():
+    engine = _FakeEngine([_out("a", 1, True)])
+    _, app = _ingress(engine, max_body_bytes=1024)
+    status, _, resp = _asgi(app, "POST", "/v1/completions", {"prompt": "x" * 2000})
+    assert status == 413 and json.loads(resp)["error"]["code"] == "request_too_large"
+    status, _, resp = _asgi(app, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and json.loads(resp)["error"]["code"] == "invalid_json"
+    assert engine.request_ids == []
+
+
+def test_ingress_resubmits_a_request_whose_replica_is_lost_before_any_output():
+    """Lost before the first output (nothing sent yet): resubmitted, the client sees a normal 200;
+    each attempt has its own engine request id; the retries are counted."""
+    import ray.exceptions as rex
+
+    done = [_out("Hel", 1), _out("lo", 2, True)]
+    for stream in (False, True):
+        engine = _FakeEngine([rex.ActorDiedError()], [rex.ActorUnavailableError("gone", b"1" * 16)],
+                             [], done)
+        ingress, app = _ingress(engine, retry_after_s=2)
+        status, headers, body = _asgi(app, "POST", "/v1/completions",
+                                      {"prompt": "x", "stream": stream})
+        assert status == 200
+        if stream:
+            ev = _events(body)
+            assert [json.loads(e)["choices"][0]["text"] for e in ev[:-1]] == ["Hel", "lo", ""] \
+                and ev[-1] == b"[DONE]"
+        else:
+            r = json.loads(body)
+            assert r["choices"][0]["text"] == "Hello" \
+                and r["usage"]["speculative"]["method"] == "ngram"
+        rid = headers["x-request-id"]
+        assert engine.request_ids == [rid, f"{rid}-retry1", f"{rid}-retry2", f"{rid}-retry3"]
+        assert ingress.metrics.retries == 3 and ingress.metrics.errors == {}
+        assert all(s.cancelled for s in engine.streams[:3])
+
+
+def test_ingress_gives_up_after_max_replica_retries():
+    import ray.exceptions as rex
+
+    engine = _FakeEngine([rex.ActorDiedError()])
+    ingress, app = _ingress(engine, max_replica_retries=1, retry_after_s=4)
+    for stream in (False, True):
+        status, headers, body = _asgi(app, "POST", "/v1/completions",
+                                      {"prompt": "x", "stream": stream})
+        assert status == 503 and headers["retry-after"] == "4"  # no stream started: plain 503
+        assert json.loads(body)["error"]["code"] == "replica_lost"
+    assert len(engine.request_ids) == 4 and ingress.metrics.retries == 2 \
+        and ingress.metrics.errors == {"503": 2}
+
+
+def test_ingress_ends_a_cut_stream_with_a_retryable_error_event():
+    """Lost after the first output: an SSE stream ends with one error event (replica_lost,
+    server_error) and [DONE], no finish_reason; a JSON request gets 503 + Retry-After."""
+    import ray.exceptions as rex
+
+    cut = [_out("Hel", 1), _out("lo", 2), rex.ActorDiedError()]
+    engine = _FakeEngine(cut)
+    ingress, app = _ingress(engine, retry_after_s=3)
+    status, _, body = _asgi(app, "POST", "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "x"}], "stream": True})
+    assert status == 200
+    ev = _events(body)
+    assert ev[-1] == b"[DONE]"
+    err = json.loads(ev[-2])["error"]
+    assert (err["code"], err["type"]) == ("replica_lost", "server_error") and err["message"]
+    chunks = [json.loads(e) for e in ev[:-2]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hello"
+    assert not any(c["choices"][0]["finish_reason"] for c in chunks)
+    status, headers, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x"})
+    assert status == 503 and headers["retry-after"] == "3"
+    assert json.loads(body)["error"]["code"] == "replica_lost"
+    # output was seen: no resubmission
+    assert len(engine.request_ids) == 2 and ingress.metrics.retries == 0
+    assert ingress.metrics.errors == {"503": 2} and all(s.cancelled for s in engine.streams)
+    # a stream that just stops (no final output, no error) is a lost replica too
+    _, app = _ingress(_FakeEngine([_out("Hel", 1)]))
+    ev = _events(_asgi(app, "POST", "/v1/completions", {"prompt": "x", "stream": True})[2])
+    assert json.loads(ev[-2])["error"]["code"] == "replica_lost" and ev[-1] == b"[DONE]"
+
+
+def test_ingress_passes_engine_refusals_and_does_not_retry_other_errors():
+    refusal = APIError(400, "too long", "invalid_request_error", "prompt",
+                       "context_length_exceeded")
+    engine = _FakeEngine([refusal])
+    _, app = _ingress(engine)
+    status, _, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x", "stream": True})
+    assert status == 400 and json.loads(body)["error"]["code"] == "context_length_exceeded"
+    engine = _FakeEngine([RuntimeError("boom")])
+    ingress, app = _ingress(engine)
+    status, _, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x"})
+    assert status == 500 and len(engine.request_ids) == 1 and ingress.metrics.retries == 0
+    queue_full = APIError(503, "full", "server_error", None, "queue_full", {"Retry-After": "2"})
+    status, headers, _ = _asgi(_ingress(_FakeEngine([queue_full]))[1], "POST", "/v1/completions",
+                               {"prompt": "x"})
+    assert status == 503 and headers["retry-after"] == "2"
+
+
+def test_ingress_cancels_the_engine_stream_when_the_client_goes_away():
+    engine = _FakeEngine([_out("a", 1), _out("b", 2)], hang=True)
+    _, app = _ingress(engine)
+    status, _, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x", "stream": True},
+                            disconnect_after_first_chunk=True)
+    assert status == 200 and b"[DONE]" not in body
+    assert engine.streams[0].cancelled  # -> the engine aborts the request

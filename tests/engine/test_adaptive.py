@@ -1,0 +1,399 @@
+"""Speed that survives the machine: dtype auto, the measured cost model, the adaptive controller,
+drafters that survive skipped steps, lazy LM-head logits, and exact token/usage accounting.
+
+Controller decisions are tested on synthetic cost models (no timing in assertions); exactness with
+the controller on is tested in fp32 on tiny random targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
+from dart_ray.drafters import make_drafter
+from dart_ray.engine.controller import (
+    ControllerConfig,
+    SpeculationController,
+    accepted_within,
+    ladder_upto,
+)
+from dart_ray.engine.cost import CostModel, load_or_measure, measure_verify_costs
+from dart_ray.models import load_target
+from dart_ray.tree import pack_trees
+from dart_ray.tree.search import build_trees
+from dart_ray.verify import accept, greedy_accept, sample_accept
+from dart_ray.verify.logits import NodeLogits, internal_nodes
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "Hello",
+    "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3",
+]
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+GRID_B, GRID_T = [1, 2, 4, 8, 16], [1, 2, 3, 5, 9, 17, 33, 65]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs):
+    return load_target(str(tiny_dirs["llama"]), "fp32", max_seq_len=512)
+
+
+def flat_cost(seconds=0.02):
+    return CostModel.from_function(lambda b, t: seconds, GRID_B, GRID_T)
+
+
+def make_engine(target, method="dart", drafter="random", batch=4, cost=None, adaptive=True, **dec):
+    decoding = DecodingConfig(**{"tree_budget": 24, "top_k": 8, "beam_width": 6, **dec})
+    cfg = EngineConfig(method=method, drafter=drafter, ngram="none", dtype="fp32",
+                       max_batch_size=batch, max_seq_len=512, decoding=decoding, adaptive=adaptive)
+    return Engine(target, make_drafter(cfg, target), cfg, cost_model=cost or flat_cost())
+
+
+# ---- cost model ----------------------------------------------------------------------------------
+
+def test_cost_model_interpolates_extrapolates_and_learns():
+    cm = CostModel.from_function(lambda b, t: 0.01 + 0.001 * b * t, [1, 4], [1, 5, 9])
+    assert cm.verify_s(1, 1) == pytest.approx(0.011)
+    assert cm.verify_s(1, 3) == pytest.approx(0.013)           # between grid points
+    assert cm.verify_s(1, 17) == pytest.approx(0.019 * 17 / 9)  # beyond the grid: proportional
+    noisy = CostModel.from_function(lambda b, t: {1: 0.01, 5: 0.03, 9: 0.02}[t], [1], [1, 5, 9])
+    assert noisy.verify_s(1, 9) == pytest.approx(0.03)         # monotone despite noise
+    assert noisy.verify_s(1, 18) == pytest.approx(0.06)        # and never flat beyond
+    assert cm.verify_s(2, 5) == pytest.approx(0.02)            # between batch sizes
+    assert cm.verify_s(8, 1) > cm.verify_s(4, 1)               # beyond the largest batch
+    before = cm.verify_s(1, 5)
+    for _ in range(50):
+        cm.observe(1, 5, 2 * before)                           # the machine is slower than measured
+    assert cm.verify_s(1, 5) == pytest.approx(2 * before, rel=0.05)
+    assert cm.verify_s(4, 9) == pytest.approx(0.01 + 0.036)    # other cells untouched
+    again = CostModel.from_dict(cm.to_dict())
+    assert again.verify_s(1, 5) == pytest.approx(cm.verify_s(1, 5))
+
+
+def test_cost_model_measured_once_then_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("DART_RAY_CACHE", str(tmp_path))
+    calls = []
+    fwd = lambda b, t: calls.append((b, t))                      # noqa: E731
+    cm = load_or_measure("k", {"cpu": "x"}, fwd, [1, 4], [1, 5, 65])
+    assert (4, 65) not in cm.table and (1, 65) in cm.table       # B*T above the bound: extrapolated
+    n = len(calls)
+    assert n == 2 * len(cm.table)                                # best of two per cell
+    cm2 = load_or_measure("k", {"cpu": "x"}, fwd, [1, 4], [1, 5, 65])
+    assert len(calls) == n and cm2.table == cm.table             # cached: nothing re-measured
+    assert measure_verify_costs(fwd, [16], [1, 65], max_tokens=100).keys() == {(16, 1)}
+
+
+# ---- controller decisions ------------------------------------------------------------------------
+
+def trained(ctrl: SpeculationController, B: int, accepted: list[int], n_used: int, steps: int = 60,
+            draft_s: float = 0.001, overhead_s: float = 0.001) -> None:
+    """Feed steps whose rows accept chains through nodes 1, 2, ... of the lengths ``accepted``
+    (cycled over rows and steps)."""
+    i = 0
+    for _ in range(steps):
+        paths = []
+        for _ in range(B):
+            paths.append(list(range(1, min(accepted[i % len(accepted)], n_used) + 1)))
+            i += 1
+        ctrl.record(B, n_used, paths, draft_s=draft_s, verify_s=0.0, tokens_per_row=n_used + 1,
+                    overhead_s=overhead_s)
+
+
+def test_controller_picks_ar_when_verification_is_too_dear():
+    # an AVX2-like machine: every extra token costs as much as a whole step
+    cost = CostModel.from_function(lambda b, t: 0.02 * t, GRID_B, GRID_T)
+    ctrl = SpeculationController(cost)
+    trained(ctrl, 1, [0, 1, 0, 3], 32)                                # tau 2 at most
+    assert ctrl.best(1, 32) == 0
+
+
+def test_controller_picks_large_trees_when_acceptance_is_high_and_verify_cheap():
+    # a GPU-like machine: verify is flat in tree size
+    ctrl = SpeculationController(flat_cost())
+    trained(ctrl, 1, [64, 20, 40], 64)
+    assert ctrl.best(1, 64) == 64
+    # the same machine with a drafter that is never right: AR
+    bad = SpeculationController(flat_cost())
+    trained(bad, 1, [0], 64)
+    assert bad.best(1, 64) == 0
+
+
+def test_controller_shrinks_the_tree_as_the_batch_grows():
+    cost = CostModel.from_function(lambda b, t: 0.02 + 0.0004 * b * t, GRID_B, GRID_T)
+    ctrl = SpeculationController(cost)
+    for B in (1, 16):
+        trained(ctrl, B, [0, 1, 2, 3, 5, 8, 1, 0], 32)
+    small, large = ctrl.best(1, 32), ctrl.best(16, 32)
+    assert small > large and large <= 4
+
+
+def test_controller_warmup_exploration_and_reset():
+    cost = CostModel.from_function(lambda b, t: 0.02 * (1 + (t > 9) * t), GRID_B, GRID_T)
+    ctrl = SpeculationController(cost, ControllerConfig(warmup_steps=2, explore_every=4,
+                                                        warmup_cost_ratio=2.0))
+    assert [ctrl.plan(1, 32) for _ in range(2)] == [8, 8]      # largest tree within 2x a plain step
+    trained(ctrl, 1, [0], 8)
+    plans = [ctrl.plan(1, 32) for _ in range(20)]              # steps 3..22
+    # one rung up at step 7; the probe did not change the choice, so the next comes 8 steps later
+    assert [i + 3 for i, n in enumerate(plans) if n] == [7, 15] and set(plans) == {0, 1}
+    ctrl.reset_acceptance()
+    assert ctrl.plan(1, 32) == 8 and not ctrl.acc
+    assert ctrl.plan(1, 0) == 0                                # nothing to draft: always AR
+
+
+def test_counterfactual_acceptance_per_tree_size():
+    assert [accepted_within([1, 3, 7], m) for m in (1, 2, 3, 6, 7, 8)] == [1, 1, 2, 2, 3, 3]
+    assert ladder_upto(10) == [0, 1, 2, 3, 4, 6, 8, 10] and ladder_upto(0) == [0]
+    ctrl = SpeculationController(flat_cost(), ControllerConfig(alpha=1.0))
+    ctrl.record(1, 8, [[1, 3, 7]], draft_s=0, verify_s=0, tokens_per_row=9, overhead_s=0)
+    assert ctrl.acc == {1: 1, 2: 1, 3: 2, 4: 2, 6: 2, 8: 3}
+    assert ctrl.expected_accepted(12) == 3 and ctrl.expected_accepted(0) == 0
+
+
+def test_tree_prefix_is_the_smaller_budget_tree():
+    """Priority order: the first n nodes of a budget-N beam-search tree are the budget-n tree."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 500, generator=g) * 3
+    roots = torch.tensor([1, 2])
+    big = build_trees(roots, logits,
+                      DecodingConfig(draft_depth=6, top_k=6, beam_width=4, tree_budget=40))
+    for n in (1, 3, 8, 17):
+        small = build_trees(roots, logits,
+                            DecodingConfig(draft_depth=6, top_k=6, beam_width=4, tree_budget=n))
+        cut = big.truncate(n)
+        assert torch.equal(cut.tokens, small.tokens) and torch.equal(cut.parents, small.parents)
+        cut.validate()
+
+
+# ---- exactness with the controller on ------------------------------------------------------------
+
+class FlipController(SpeculationController):
+    """Alternates plain and speculative steps in a fixed pattern (exercises skip + catch-up)."""
+
+    def __init__(self, pattern):
+        super().__init__(flat_cost())
+        self.pattern = pattern
+
+    def plan(self, B, max_nodes):
+        self.steps += 1
+        return min(self.pattern[(self.steps - 1) % len(self.pattern)], max_nodes)
+
+
+@pytest.fixture(scope="module")
+def ar_out(tiny):
+    eng = make_engine(tiny, "none", None, batch=1)
+    return [eng.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method", ["dart", "eagle", "medusa", "sps", "ngram"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_exact_with_adaptive_switching(tiny, tiny_baselines, ar_out, method, batch):
+    drafter = {"dart": "random", "ngram": None}[method] if method in ("dart", "ngram") else \
+        str(tiny_baselines[method])
+    eng = make_engine(tiny, method, drafter, batch=batch)
+    eng.controller = FlipController([24, 0, 0, 3, 1, 0, 24])
+    # joins and leaves: different lengths, more requests than rows at batch 1
+    lens = [24, 7, 15, 3]
+    outs = eng.generate(PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens])
+    assert [o.token_ids for o in outs] == [a[:n] for a, n in zip(ar_out, lens, strict=True)]
+    st = eng.stats()
+    assert st.ar_steps > 0 and st.spec_row_steps > 0
+
+
+class Recorder:
+    """Wraps a drafter; records (committed length of row 0, tree tokens) of every proposal."""
+
+    def __init__(self, inner):
+        self.inner, self.trees = inner, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, view):
+        tree = self.inner.propose(view)
+        self.trees[view.lengths[0]] = tree.tokens[0, tree.valid[0]].tolist()
+        return tree
+
+
+class PauseUntil(SpeculationController):
+    """Plain steps from the 2nd step until row 0's committed length reaches ``resume_at``."""
+
+    def __init__(self, engine, resume_at):
+        super().__init__(flat_cost())
+        self.engine, self.resume_at = engine, resume_at
+
+    def plan(self, B, max_nodes):
+        self.steps += 1
+        if self.steps >= 2 and self.engine.cache.lengths[0] < self.resume_at:
+            return 0
+        return max_nodes
+
+
+@pytest.mark.parametrize("method", ["dart", "eagle", "medusa", "sps"])
+def test_drafter_catches_up_after_skipped_steps(tiny, tiny_baselines, method):
+    """After plain AR steps the drafter catches up on the context it did not draft for (its KV from
+    the taps those steps produced): from the resume point on it proposes exactly the trees -- and so
+    accepts exactly as much -- as a drafter that drafted at every step."""
+    drafter = "random" if method == "dart" else str(tiny_baselines[method])
+    prompt, sp = PROMPTS[1], SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ref = make_engine(tiny, method, drafter, batch=1, adaptive=False)
+    ref.drafter = Recorder(ref.drafter)
+    want = ref.generate(prompt, sp)[0]
+    lengths = sorted(ref.drafter.trees)
+    resume = lengths[len(lengths) // 2]
+    assert resume > lengths[1] + 3                                  # a real pause: several AR steps
+    eng = make_engine(tiny, method, drafter, batch=1)
+    eng.drafter = Recorder(eng.drafter)
+    eng.controller = PauseUntil(eng, resume)
+    got = eng.generate(prompt, sp)[0]
+    assert got.token_ids == want.token_ids
+    after = [n for n in lengths if n >= resume]
+    assert after and all(eng.drafter.trees.get(n) == ref.drafter.trees[n] for n in after)
+    assert eng.stats().ar_steps >= 3
+
+
+# ---- lazy LM head --------------------------------------------------------------------------------
+
+def bushy_tree(B=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        toks = torch.randint(0, 50, (12,), generator=g).tolist()
+        pars = [0, 0, 1, 1, 2, 0, 3, 5, 5, 7, 4, 4]
+        rows.append((toks, pars))
+    return pack_trees(torch.tensor([5, 6, 7][:B]), rows)
+
+
+def test_lazy_logits_give_identical_tokens_and_skip_leaves():
+    tree = bushy_tree()
+    B, T = tree.tokens.shape
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(B, T, 16, generator=g)
+    W = torch.randn(50, 16, generator=g)
+    head = lambda h: (h @ W.T) * 3                                     # noqa: E731
+    dense = head(hidden)
+    # make some paths correct so acceptance goes deep (into leaves)
+    for _ in range(3):
+        pred = dense.argmax(-1)
+        tree.tokens[:, 1:] = torch.where(torch.rand(B, T - 1, generator=g) < 0.7,
+                                         pred.gather(1, tree.parents[:, 1:].clamp(min=0)),
+                                         tree.tokens[:, 1:])
+    lazy = NodeLogits.lazy(tree, hidden, head)
+    assert lazy.head_rows == int(internal_nodes(tree).sum()) < B * T
+    a, b = greedy_accept(tree, dense), greedy_accept(tree, lazy)
+    assert torch.equal(a.path, b.path) and torch.equal(a.bonus, b.bonus)
+    assert int(a.num_accepted.max()) >= 2
+    for seed in range(5):
+        gens = [torch.Generator().manual_seed(seed * 10 + i) for i in range(B)]
+        gens2 = [torch.Generator().manual_seed(seed * 10 + i) for i in range(B)]
+        s1 = sample_accept(tree, dense, 0.7, 0, 0.9, gens)
+        s2 = sample_accept(tree, NodeLogits.lazy(tree, hidden, head), 0.7, 0, 0.9, gens2)
+        assert torch.equal(s1.path, s2.path) and torch.equal(s1.bonus, s2.bonus)
+    mixed = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams()]
+    m1 = accept(tree, dense, mixed, [None, torch.Generator().manual_seed(3), None])
+    m2 = accept(tree, NodeLogits.lazy(tree, hidden, head), mixed,
+                [None, torch.Generator().manual_seed(3), None])
+    assert torch.equal(m1.path, m2.path) and torch.equal(m1.bonus, m2.bonus)
+
+
+def test_engine_runs_the_head_on_fewer_rows_than_nodes(tiny, ar_out):
+    eng = make_engine(tiny, "dart", "random", batch=2, adaptive=False)
+    assert [o.token_ids for o in eng.generate(PROMPTS[:2], GREEDY)] == ar_out[:2]
+    st = eng.stats()
+    assert st.head_rows < st.draft_tokens + st.row_steps            # nodes + roots verified
+
+
+# ---- dtype auto ----------------------------------------------------------------------------------
+
+def test_dtype_auto_follows_capability_and_measurement(tmp_path, monkeypatch):
+    from dart_ray import hardware
+
+    monkeypatch.setenv("DART_RAY_CACHE", str(tmp_path))
+    monkeypatch.setattr(hardware, "bf16_supported", lambda device: False)
+    choice = hardware.resolve_dtype("auto", "cpu")
+    assert choice.dtype == "fp32" and "no native bf16" in choice.reason
+    assert hardware.resolve_dtype("bf16", "cpu").dtype == "bf16"   # asked for: no second-guessing
+    monkeypatch.setattr(hardware, "bf16_supported", lambda device: True)
+    fast = {"bf16_1": 1.0, "bf16_64": 2.0, "fp32_1": 1.5, "fp32_64": 4.0}
+    monkeypatch.setattr(hardware, "measure_bf16_vs_fp32", lambda device: dict(fast))
+    assert hardware.resolve_dtype("auto", "cpu").dtype == "bf16"
+    # emulated bf16 (the AVX2 case): supported on paper, 7x slower at tree sizes -> fp32
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")               # another fingerprint, not cached
+    monkeypatch.setattr(hardware, "measure_bf16_vs_fp32",
+                        lambda device: {"bf16_1": 0.12, "bf16_64": 6.9, "fp32_1": 0.14,
+                                        "fp32_64": 0.97})
+    choice = hardware.resolve_dtype("auto", "cpu")
+    assert choice.dtype == "fp32" and "slower" in choice.reason
+
+
+def test_fingerprint_round_trip_and_differences():
+    from dart_ray.hardware import Fingerprint
+
+    fp = Fingerprint.current("cpu", "fp32", "m")
+    assert Fingerprint.from_dict(fp.to_dict()) == fp and len(fp.key()) == 16
+    other = Fingerprint.from_dict({**fp.to_dict(), "cpu": "Other CPU", "threads": fp.threads + 1})
+    diffs = fp.differences(other)
+    assert len(diffs) == 2 and any("Other CPU" in d for d in diffs)
+    with pytest.raises(ValueError, match="missing"):
+        Fingerprint.from_dict({"cpu": "x"})
+
+
+# ---- usage agrees with the text ------------------------------------------------------------------
+
+def test_stop_string_usage_counts_text_plus_stop(tiny):
+    """Tokens accepted in the same step after a stop string are not output: the ids returned are
+    exactly those of text + stop (what the tokenizer counts)."""
+    eng = make_engine(tiny, "none", None, batch=1)
+    full = eng.generate(PROMPTS[3], GREEDY)[0]
+    ids = full.token_ids
+    tok = tiny.tokenizer
+    # a stop string that ends inside the output, several tokens before its end
+    for k in (3, 6):
+        prefix = tok.decode(ids[:k], skip_special_tokens=True)
+        stop = prefix[-2:] if len(prefix) >= 2 else prefix
+        if not stop.strip():
+            continue
+        for eng2 in (make_engine(tiny, "dart", "random", batch=1, adaptive=False), eng):
+            out = eng2.generate(PROMPTS[3],
+                                SamplingParams(max_new_tokens=24, stop=(stop,), ignore_eos=True))[0]
+            cut = full.text.find(stop)
+            assert out.finish_reason == "stop" and out.text == full.text[:cut]
+            n = len(out.token_ids)
+            text = tok.decode(out.token_ids, skip_special_tokens=True)
+            assert text.startswith(full.text[:cut] + stop)
+            assert len(tok.decode(out.token_ids[:n - 1],
+                                  skip_special_tokens=True)) < cut + len(stop)
+
+
+def test_controller_biases_unknowns_toward_plain_steps():
+    """Unknown plain-step overhead is taken as 0 (so plain decoding is tried and then measured), and
+    the drafting time of a step that followed plain steps (it includes the drafter's catch-up) does
+    not count as drafting cost."""
+    ctrl = SpeculationController(flat_cost(), ControllerConfig(alpha=1.0, timing_alpha=1.0))
+    ctrl.record(1, 4, [[1]], draft_s=0.002, verify_s=0.02, tokens_per_row=5, overhead_s=0.01)
+    assert ctrl.step_seconds(1, 0) == pytest.approx(0.02)                 # no AR overhead known: 0
+    assert ctrl.step_seconds(1, 4) == pytest.approx(0.002 + 0.02 + 0.01)
+    ctrl.record(1, 0, [], draft_s=0.0, verify_s=0.02, tokens_per_row=1, overhead_s=0.003)
+    # catch-up
+    ctrl.record(1, 4, [[1]], draft_s=0.5, verify_s=0.02, tokens_per_row=5, overhead_s=0.01)
+    assert ctrl.draft_s[1] == pytest.approx(0.002)
+    ctrl.record(1, 4, [[1]], draft_s=0.003, verify_s=0.02, tokens_per_row=5, overhead_s=0.01)
+    assert ctrl.draft_s[1] == pytest.approx(0.003)
+
+
+def test_stop_trim_keeps_a_split_utf8_character(tiny):
+    """A stop string whose last character spans several byte-level tokens keeps all of them."""
+    from types import SimpleNamespace
+
+    eng = make_engine(tiny, "none", None, batch=1)
+    tok = tiny.tokenizer
+    stop = "\U0001F642"                                              # an emoji: several byte tokens
+    assert len(tok.encode(stop, add_special_tokens=False)) > 1
+    ids = tok.encode("ok " + stop + " then more words", add_special_tokens=False)
+    text = tok.decode(ids, skip_special_tokens=True)
+    end = text.index(stop) + len(stop)
+    keep = eng._tokens_through(SimpleNamespace(output_ids=ids, detok=SimpleNamespace(skip=True)),
+                               len(ids), end)
+    assert stop in tok.decode(ids[:keep], skip_special_tokens=True)
+    assert stop not in tok.decode(ids[:keep - 1], skip_special_tokens=True)

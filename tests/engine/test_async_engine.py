@@ -1,0 +1,377 @@
+"""AsyncEngine: the engine on its own thread behind asyncio streams (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from conftest import make_tiny_checkpoint
+
+from dart_ray import Engine, EngineConfig, PromptTooLongError, SamplingParams
+from dart_ray.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+)
+
+PROMPTS = ["Hello world", "def foo(x):", "The quick brown fox", "1, 2, 3, 4,", "import numpy as np",
+           "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, smollm_dir):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_async") / "llama", "llama",
+                                smollm_dir)
+
+
+def _cfg(model, method="ngram", **kw):
+    kw.setdefault("max_batch_size", 4)
+    kw.setdefault("max_seq_len", 256)
+    return EngineConfig(model=str(model), method=method,
+                        drafter="random" if method == "dart" else None, dtype="fp32", num_threads=1,
+                        **kw)
+
+
+async def _drain(gen):
+    ids, text, last = [], [], None
+    async for o in gen:
+        ids.extend(o.new_token_ids)
+        text.append(o.new_text)
+        last = o
+    return ids, "".join(text), last
+
+
+async def _num_running(aeng) -> int:
+    return await aeng.call(lambda e: e.num_running)
+
+
+@pytest.mark.parametrize("method", ["ngram", "dart"])
+def test_concurrent_streams_match_sequential(tiny_llama, method):
+    params = [SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    ref = Engine.from_config(_cfg(tiny_llama, method))
+    # one at a time
+    expected = [ref.generate(p, sp)[0] for p, sp in zip(PROMPTS, params, strict=True)]
+
+    aeng = AsyncEngine(lambda: Engine.from_config(_cfg(tiny_llama, method)))
+    try:
+        async def main():
+            return await asyncio.gather(*[_drain(aeng.stream(p, sp))
+                                          for p, sp in zip(PROMPTS, params, strict=True)])
+
+        got = asyncio.run(main())
+        for (ids, text, last), exp in zip(got, expected, strict=True):
+            assert ids == exp.token_ids
+            assert text == exp.text
+            assert last.finished and last.finish_reason == "length"
+            assert last.num_generated_tokens == len(exp.token_ids)
+        assert aeng.num_running == 0 and aeng.queue_depth == 0
+        # more prompts than rows: the engine's max_batch_size was honoured
+        assert aeng.engine.max_batch == 4
+    finally:
+        aeng.shutdown()
+
+
+def test_chat_and_lane_without_speculation(tiny_llama):
+    from dart_ray.drafters import NoDrafter
+
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama, "dart")))
+    try:
+        async def main():
+            sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+            a = await _drain(aeng.stream([{"role": "user", "content": "hi"}], sp))
+            await aeng.add_lane("none", lambda e: Engine(e.target, NoDrafter(),
+                                                         e.config.replace(method="none")))
+            b = await _drain(aeng.stream([{"role": "user", "content": "hi"}], sp, lane="none"))
+            c = await _drain(aeng.stream("hi", sp, chat=True, lane="none"))
+            return a, b, c
+
+        a, b, c = asyncio.run(main())
+        assert a[0] == b[0] == c[0]
+        assert a[2].stats.draft_tokens > 0 and b[2].stats.draft_tokens == 0
+        assert set(aeng.lanes) == {"main", "none"}
+    finally:
+        aeng.shutdown()
+
+
+def test_cancellation_frees_row(tiny_llama):
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama, max_batch_size=2)))
+    try:
+        async def main():
+            long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+            # 1) consumer stops early (client disconnect closes the generator)
+            gen = aeng.stream("Hello", long)
+            n = 0
+            async for _ in gen:
+                n += 1
+                if n == 2:
+                    break
+            await gen.aclose()
+            for _ in range(100):
+                if await _num_running(aeng) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert await _num_running(aeng) == 0
+            assert await aeng.call(lambda e: len(e.requests)) == 0
+
+            # 2) the consuming task is cancelled mid-stream
+            started = asyncio.Event()
+
+            async def consume():
+                async for _ in aeng.stream("Hello", long):
+                    started.set()
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(started.wait(), 30)
+            assert aeng.num_running >= 0
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                if await _num_running(aeng) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert await _num_running(aeng) == 0
+            assert await aeng.call(lambda e: (len(e.requests), len(e.waiting))) == (0, 0)
+            # the freed rows serve new requests
+            sp = SamplingParams(max_new_tokens=5, ignore_eos=True)
+            ids, _, last = await _drain(aeng.stream("again", sp))
+            assert len(ids) == 5 and last.finish_reason == "length"
+
+        asyncio.run(main())
+    finally:
+        aeng.shutdown()
+
+
+def test_bad_prompt_propagates_original_exception(tiny_llama):
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama)))
+    try:
+        async def main():
+            # the engine's own exception
+            with pytest.raises((ValueError, TypeError), match="empty"):
+                await _drain(aeng.stream([], SamplingParams()))
+            with pytest.raises(ValueError, match="token ids"):
+                await _drain(aeng.stream([10**7], SamplingParams()))
+            with pytest.raises(PromptTooLongError):
+                await _drain(aeng.stream(list(range(100, 400)), SamplingParams()))
+            with pytest.raises(TypeError):
+                await _drain(aeng.stream(3.5, SamplingParams()))
+            ids, _, _ = await _drain(aeng.stream("fine",
+                                                 SamplingParams(max_new_tokens=3, ignore_eos=True)))
+            assert len(ids) == 3
+
+        asyncio.run(main())
+        aeng.check_health()
+    finally:
+        aeng.shutdown()
+
+
+def test_queue_full(tiny_llama):
+    # 1 row + max_queue 2 waiting: the request that takes the free row is not "waiting" (issue 16)
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama, max_batch_size=1)), max_queue=2,
+                       retry_after_s=3)
+    gate = threading.Event()
+    try:
+        async def main():
+            blocked = aeng.call_future(lambda e: gate.wait(30))   # park the engine thread
+            sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+            tasks = [asyncio.create_task(_drain(aeng.stream(p, sp))) for p in ("a", "b", "c")]
+            await asyncio.sleep(0.05)
+            assert aeng.queue_depth == 2
+            with pytest.raises(QueueFullError) as ei:
+                await _drain(aeng.stream("d", sp))
+            assert ei.value.retry_after_s == 3
+            gate.set()
+            await asyncio.wrap_future(blocked)
+            res = await asyncio.gather(*tasks)
+            assert [len(r[0]) for r in res] == [4, 4, 4]
+            assert aeng.queue_depth == 0
+            ids, _, _ = await _drain(aeng.stream("c", sp))     # room again
+            assert len(ids) == 4
+
+        asyncio.run(main())
+    finally:
+        gate.set()
+        aeng.shutdown()
+
+
+def test_step_error_fails_in_flight_and_keeps_serving(tiny_llama):
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama)))
+    try:
+        async def main():
+            def sabotage(e):
+                real = e.step
+                state = {"n": 0}
+
+                def step():
+                    state["n"] += 1
+                    if state["n"] == 3:
+                        raise RuntimeError("boom")
+                    return real()
+                e.step = step
+
+            await aeng.call(sabotage)
+            sp = SamplingParams(max_new_tokens=50, ignore_eos=True)
+            res = await asyncio.gather(_drain(aeng.stream("x", sp)), _drain(aeng.stream("y", sp)),
+                                       return_exceptions=True)
+            assert all(isinstance(r, EngineStepError) for r in res), res
+            assert isinstance(res[0].__cause__, RuntimeError)
+            assert aeng.num_step_errors == 1
+            aeng.check_health()
+            assert await _num_running(aeng) == 0
+            ids, _, _ = await _drain(aeng.stream("z",
+                                                 SamplingParams(max_new_tokens=6, ignore_eos=True)))
+            assert len(ids) == 6
+
+        asyncio.run(main())
+    finally:
+        aeng.shutdown()
+
+
+def test_event_loop_not_blocked(tiny_llama):
+    """Ticks of the event loop keep coming while the engine decodes."""
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama, "dart")))
+    try:
+        async def main():
+            ticks = 0
+            done = False
+
+            async def ticker():
+                nonlocal ticks
+                while not done:
+                    ticks += 1
+                    await asyncio.sleep(0.005)
+
+            t = asyncio.create_task(ticker())
+            t0 = time.perf_counter()
+            await _drain(aeng.stream("tick", SamplingParams(max_new_tokens=40, ignore_eos=True)))
+            elapsed = time.perf_counter() - t0
+            done = True
+            await t
+            return ticks, elapsed
+
+        ticks, elapsed = asyncio.run(main())
+        # the loop kept running (>= 10% of ideal ticks)
+        assert ticks >= max(3, elapsed / 0.005 * 0.1)
+    finally:
+        aeng.shutdown()
+
+
+def test_shutdown_and_factory_errors(tiny_llama):
+    def bad():
+        raise FileNotFoundError("no such model")
+
+    with pytest.raises(FileNotFoundError):
+        AsyncEngine(bad)
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama)))
+    aeng.check_health()
+    aeng.shutdown()
+    with pytest.raises(EngineDeadError):
+        aeng.check_health()
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            await _drain(aeng.stream("x"))
+
+    asyncio.run(main())
+
+
+def test_admission_counts_rows_plus_queue(tiny_llama):
+    """max_batch_size running + max_queue waiting, then QueueFullError; submitted-but-not-handed
+    requests only count as waiting beyond the free rows, on every lane."""
+    from dart_ray.drafters import NoDrafter
+
+    rows, max_queue = 2, 3
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama, max_batch_size=rows)),
+                       max_queue=max_queue)
+    gate = threading.Event()
+    try:
+        async def main():
+            await aeng.add_lane("none", lambda e: Engine(e.target, NoDrafter(),
+                                                         e.config.replace(method="none")))
+            blocked = aeng.call_future(lambda e: gate.wait(30))   # park: every add stays pending
+            sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+            tasks = []
+            for i in range(rows):                                   # take the main lane's rows
+                tasks.append(asyncio.create_task(_drain(aeng.stream(f"r{i}", sp))))
+                await asyncio.sleep(0.01)
+                assert aeng.queue_depth == 0 and aeng.num_in_flight == i + 1
+            for i in range(max_queue):                              # then fill the queue
+                tasks.append(asyncio.create_task(_drain(aeng.stream(f"w{i}", sp))))
+                await asyncio.sleep(0.01)
+                assert aeng.queue_depth == i + 1
+            with pytest.raises(QueueFullError):
+                await _drain(aeng.stream("over", sp))
+            # another lane's free rows still admit (they are not waiting), its overflow does not
+            for i in range(rows):
+                tasks.append(asyncio.create_task(_drain(aeng.stream(f"n{i}", sp, lane="none"))))
+            await asyncio.sleep(0.02)
+            assert aeng.queue_depth == max_queue and aeng.num_in_flight == 2 * rows + max_queue
+            with pytest.raises(QueueFullError):
+                await _drain(aeng.stream("over", sp, lane="none"))
+            gate.set()
+            await asyncio.wrap_future(blocked)
+            res = await asyncio.gather(*tasks)
+            assert all(len(r[0]) == 3 for r in res)
+            assert aeng.queue_depth == 0 and aeng.num_running == 0 and aeng.num_in_flight == 0
+
+        asyncio.run(main())
+    finally:
+        gate.set()
+        aeng.shutdown()
+
+
+def test_request_timing_and_step_observer(tiny_llama):
+    seen: list[int] = []
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama)), on_step=seen.append)
+    try:
+        from dart_ray.engine.async_engine import RequestTiming
+
+        async def main():
+            timing = RequestTiming()
+            sp = SamplingParams(max_new_tokens=5, ignore_eos=True)
+            ids, _, last = await _drain(aeng.stream("time me", sp, timing=timing))
+            return timing, ids, last
+
+        timing, ids, last = asyncio.run(main())
+        assert timing.submitted <= timing.scheduled <= timing.first_token
+        assert sum(seen) == last.num_prompt_tokens + len(ids)   # prompt + generated, over the steps
+    finally:
+        aeng.shutdown()
+
+
+def test_lane_count_is_bounded(tiny_llama):
+    from dart_ray.drafters import NoDrafter
+    from dart_ray.engine.async_engine import LaneLimitError
+
+    def none_lane(e):
+        return Engine(e.target, NoDrafter(), e.config.replace(method="none"))
+
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama)), max_lanes=2)
+    try:
+        async def main():
+            await aeng.add_lane("none", none_lane)
+            await aeng.add_lane("none", none_lane)                # existing: no growth, no error
+            with pytest.raises(LaneLimitError):
+                await aeng.add_lane("other", none_lane)
+            assert set(aeng.lanes) == {"main", "none"}
+
+        asyncio.run(main())
+    finally:
+        aeng.shutdown()
+
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama)), max_lanes=2)
+    try:
+        async def racing():                                     # concurrent builds cannot overshoot
+            return await asyncio.gather(*[aeng.add_lane(f"l{i}", none_lane) for i in range(4)],
+                                        return_exceptions=True)
+
+        res = asyncio.run(racing())
+        assert sum(r is None for r in res) == 1 and all(isinstance(r, LaneLimitError) for r in res
+                                                        if r is not None)
+        assert len(aeng.lanes) == 2
+    finally:
+        aeng.shutdown()

@@ -1,0 +1,553 @@
+"""Drafter training: every objective's training forward (DART's prefix-shared mask blocks, EAGLE's
+unroll, Medusa, SpS) equals its inference drafter on every prefix; loss/targets on hand-made
+tensors; tiny end-to-end runs of the loop with resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dart_ray.drafters.dart import DartDrafter
+from dart_ray.drafters.dart_model import DartConfig, DartModel
+from dart_ray.models import load_target
+from dart_ray.training.objectives import drafter_train_forward, kl_loss, level_targets, teacher_pass
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs):
+    return load_target(str(tiny_dirs["llama"]), "fp32", max_seq_len=256)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 512])
+def test_train_forward_matches_inference(tiny, draft_vocab):
+    torch.manual_seed(0)
+    args = tiny.args
+    cfg = DartConfig.for_target(args, tiny.model_id, depth=4, draft_vocab=draft_vocab,
+                                tie_head=draft_vocab is None)
+    model = DartModel(cfg).init_random(3)
+    with torch.no_grad():
+        model.mask.normal_(0, 1.0)
+    if draft_vocab:
+        model.d2t.copy_(torch.randperm(args.vocab_size)[:draft_vocab].sort().values)
+    model.eval()
+    L = 14
+    tokens = torch.randint(0, args.vocab_size, (1, L))
+    cache = tiny.model.new_cache(1, 64)
+    taps, _, _ = teacher_pass(tiny.model, cache, tokens, [L], cfg.tap_layers, 4)
+    with torch.no_grad():
+        train_logits = drafter_train_forward(model, tiny.model.embed, taps, tokens,
+                                             tiny.model.lm_head.weight)  # [1, L-1, d, Vd]
+    drafter = DartDrafter(model, tiny.model.embed, tiny.model.lm_head.weight)
+    drafter.allocate(1, 64)
+    for j in (0, 3, 7, L - 2):
+        drafter.prefill(slice(0, 1), [j + 1], taps[:, :j + 1], tokens[:, 1:j + 2])
+        inf = drafter.draft_logits(1, cfg.depth)[0]                                   # [d, V]
+        ref = train_logits[0, j]
+        if draft_vocab:
+            inf = inf[:, model.d2t]
+        torch.testing.assert_close(inf, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_level_targets_and_loss_by_hand():
+    # one sequence of length 4, K=2 teacher entries, depth 2
+    top_id = torch.tensor([[[5, 6], [7, 8], [9, 1], [2, 3]]])
+    top_lp = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.6, 0.4], [1.0, 1e-9]]]))
+    ids, p, valid = level_targets(top_id, top_lp, None, 2, [4])
+    # prefix j, level t -> teacher position j+t
+    assert ids[0, 0, 0].tolist() == [7, 8] and ids[0, 0, 1].tolist() == [9, 1]
+    assert valid[0].tolist() == [[True, True], [True, True], [True, False]]
+    torch.testing.assert_close(p[0, 0, 0], torch.tensor([0.9, 0.1]))
+    # draft vocab without token 8: teacher renormalised over what the drafter can express
+    t2d = torch.full((10,), -1)
+    t2d[torch.tensor([1, 2, 3, 5, 6, 7, 9])] = torch.arange(7)
+    ids2, p2, _ = level_targets(top_id, top_lp, t2d, 2, [4])
+    torch.testing.assert_close(p2[0, 0, 0], torch.tensor([1.0, 0.0]))
+    # a drafter that puts all mass on the teacher tokens has loss = teacher entropy-free CE
+    logits = torch.full((1, 3, 2, 10), -30.0)
+    for j in range(3):
+        for t in range(2):
+            for k in range(2):
+                logits[0, j, t, ids[0, j, t, k]] = torch.log(p[0, j, t, k].clamp(min=1e-12))
+    loss, per_level = kl_loss(logits, ids, p, valid, gamma=0.6)
+    ent = -(p * p.clamp(min=1e-12).log()).sum(-1)
+    expect = torch.stack([(ent[0, :, t] * valid[0, :, t]).sum() / valid[0, :, t].sum()
+                          for t in range(2)])
+    torch.testing.assert_close(per_level, expect, atol=1e-4, rtol=1e-4)
+
+
+def test_tiny_end_to_end_with_resume(tmp_path, tiny_dirs):
+    from dart_ray.training.gen_data import generate_data
+    from dart_ray.training.trainer import TrainConfig, train
+
+    corpus = [{"prompt": f"def f{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n", "source": "code",
+               "chat": False}
+              for i in range(12)]
+    data = generate_data(tmp_path / "data", model=str(tiny_dirs["llama"]), dtype="fp32",
+                         method="none", max_new_tokens=12, batch_size=4, shard_size=6,
+                         corpus=corpus, progress=False)
+    assert len(list(data.glob("shard-*.parquet"))) == 2
+    # resumable: a second call finds every shard and generates nothing
+    generate_data(tmp_path / "data", model="/nonexistent", corpus=corpus, shard_size=6,
+                  progress=False)
+    # never mixes two corpora in one directory
+    with pytest.raises(ValueError, match="another corpus"):
+        generate_data(tmp_path / "data", model="/nonexistent", corpus=corpus[:-1], shard_size=6,
+                      progress=False)
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), model=str(tiny_dirs["llama"]),
+                      depth=3, max_steps=2, seqs_per_step=2, max_len=48, draft_vocab=256,
+                      eval_every=1, ckpt_every=1, eval_seqs=2)
+    s1 = train(cfg, progress=False)
+    assert s1["steps"] == 2 and s1["lr_plan"] == {"lr": 1e-3, "warmup": 30, "start": 0, "steps": 2}
+    assert train(cfg, progress=False)["steps"] == 2  # restarting a finished run: nothing to do
+    # a changed plan in the same directory is refused
+    with pytest.raises(ValueError, match="re-plan"):
+        train(TrainConfig(**{**cfg.__dict__, "max_steps": 3}), progress=False)
+    with pytest.raises(ValueError, match="explicit LR schedule"):
+        TrainConfig(**{**cfg.__dict__, "resume": str(tmp_path / "run")})
+    # continuing the finished plan has nothing left (its LR is 0); a fresh plan of 1 more step does
+    with pytest.raises(ValueError, match="nothing to continue"):
+        train(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "more"),
+                             "resume": str(tmp_path / "run"), "lr_schedule": "continue"}),
+              progress=False)
+    s2 = train(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "more"),
+                              "resume": str(tmp_path / "run"), "lr_schedule": "fresh",
+                              "max_steps": 1, "warmup_steps": 1}), progress=False)
+    assert s2["steps"] == 3 and s2["lr_plan"] == {"lr": 1e-3, "warmup": 1, "start": 2, "steps": 1}
+    assert s2["resumed"]["step"] == 2 and len(s2["losses"]) == 3  # history carried over
+    model = DartModel.load(tmp_path / "more" / "drafter")
+    assert model.cfg.depth == 3 and model.cfg.draft_vocab == 256
+    assert (tmp_path / "more" / "training.png").stat().st_size > 0
+    ev = json.loads((tmp_path / "more" / "train_summary.json").read_text())["final_eval"]
+    assert len(ev["top1"]) == 3 and ev["chain_tau"] >= 1.0
+    steps = [r["step"] for r in map(json.loads,
+                                    (tmp_path / "more" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    assert steps == [1, 2, 3]  # the source run's curve continues
+
+
+@pytest.mark.parametrize("arch", ["eagle", "medusa", "sps"])
+def test_tiny_training_every_arch(tmp_path, tiny_dirs, arch):
+    """Each baseline architecture trains through the same pipeline, its loss goes down on a
+    repeated batch, and the saved artifact loads as that architecture."""
+    from dart_ray.training.gen_data import generate_data
+    from dart_ray.training.trainer import TrainConfig, train
+
+    corpus = [{"prompt": f"def g{i}(x):\n    \"\"\"Return x times {i}.\"\"\"\n", "source": "code",
+               "chat": False}
+              for i in range(8)]
+    data = generate_data(tmp_path / "data", model=str(tiny_dirs["llama"]), dtype="fp32",
+                         method="none", max_new_tokens=12, batch_size=4, shard_size=8,
+                         corpus=corpus, progress=False)
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / arch), model=str(tiny_dirs["llama"]),
+                      arch=arch, depth=3, max_steps=12, seqs_per_step=4, max_len=48,
+                      draft_vocab=256, eval_every=100, ckpt_every=100, eval_seqs=2, lr=3e-3,
+                      warmup_steps=1, epochs=100)
+    summary = train(cfg, progress=False)
+    hist = json.loads((tmp_path / arch / "train_summary.json").read_text())
+    assert summary["steps"] == 12 and hist["config"]["arch"] == arch
+    ev = summary["final_eval"]
+    assert len(ev["top1"]) == (1 if arch == "sps" else 3) and ev["chain_tau"] >= 1.0
+    losses = summary["losses"]
+    assert losses[-1] < losses[0], losses
+    files = {p.name for p in (tmp_path / arch / "drafter").iterdir()}
+    assert f"{'dart' if arch == 'eagle' else arch}_config.json" in files
+
+
+def _random_eagle(tiny, depth=4, draft_vocab=512):
+    args = tiny.args
+    cfg = DartConfig.for_target(args, tiny.model_id, depth=depth, arch="eagle",
+                                draft_vocab=draft_vocab, tie_head=False)
+    model = DartModel(cfg).init_random(5)
+    model.d2t.copy_(torch.randperm(args.vocab_size)[:draft_vocab].sort().values)
+    return model.eval()
+
+
+def test_eagle_train_forward_matches_inference(tiny):
+    """The unrolled training forward equals the drafter run autoregressively along the true tokens,
+    level by level, for several prefixes (context cache + scratch ancestors + positions)."""
+    from dart_ray.drafters.eagle import EagleDrafter
+    from dart_ray.training.objectives import eagle_train_forward
+
+    torch.manual_seed(1)
+    model = _random_eagle(tiny)
+    L, d = 16, model.cfg.depth
+    tokens = torch.randint(0, tiny.args.vocab_size, (1, L))
+    cache = tiny.model.new_cache(1, 64)
+    taps, _, _ = teacher_pass(tiny.model, cache, tokens, [L], model.cfg.tap_layers, 4)
+    with torch.no_grad():
+        train_logp = torch.log_softmax(eagle_train_forward(model, tiny.model.embed, taps, tokens),
+                                       -1)  # [1, L-1, d, Vd]
+    drafter = EagleDrafter(model, tiny.model.embed, tiny.model.lm_head.weight)
+    drafter.allocate(1, 64)
+    for j in (0, 4, L - 1 - d):
+        drafter.prefill(slice(0, 1), [j + 1], taps[:, :j + 1], tokens[:, 1:j + 2])
+        with torch.inference_mode():
+            feat = drafter._context_forward(1)[:, None]                             # [1, 1, H]
+            lens = torch.tensor(drafter.cache.lengths[:1])
+            got = [drafter._logp(feat[:, 0])]
+            vis = torch.zeros(1, 1, 0, dtype=torch.bool)
+            for m in range(1, d):
+                # chain: every slot is an ancestor
+                vis = torch.cat([vis, torch.ones(1, 1, 1, dtype=torch.bool)], dim=-1)
+                feat = drafter.expand(tokens[:, j + 1 + m, None], feat, vis, lens, m)
+                got.append(drafter._logp(feat[:, 0]))
+        torch.testing.assert_close(torch.stack(got, 1)[0], train_logp[0, j], atol=2e-4, rtol=1e-4)
+
+
+def test_eagle_tree_is_prefix_closed_and_within_budget(tiny):
+    from dart_ray.config import DecodingConfig
+    from dart_ray.drafters.base import BatchView
+    from dart_ray.drafters.eagle import EagleDrafter
+
+    model = _random_eagle(tiny)
+    drafter = EagleDrafter(model, tiny.model.embed, tiny.model.lm_head.weight)
+    drafter.allocate(2, 64)
+    tokens = torch.randint(0, tiny.args.vocab_size, (2, 12))
+    cache = tiny.model.new_cache(2, 64)
+    taps, _, _ = teacher_pass(tiny.model, cache, tokens, [12, 12], model.cfg.tap_layers, 4)
+    drafter.prefill(slice(0, 2), [9, 11], taps, tokens[:, 1:])
+    dec = DecodingConfig(draft_depth=4, top_k=5, beam_width=3, tree_budget=20)
+    view = BatchView(roots=tokens[:, 0], lengths=[9, 11], tokens=tokens.numpy(), decoding=dec)
+    tree = drafter.propose(view)
+    tree.validate()
+    assert tree.num_nodes - 1 == 20 and 2 <= int(tree.depths.max()) <= 4
+    assert bool(tree.valid[:, 1:].all())
+
+
+def test_medusa_and_sps_train_forward_match_inference(tiny):
+    from dart_ray.drafters.medusa import MedusaDrafter
+    from dart_ray.drafters.medusa_model import MedusaConfig, MedusaModel
+    from dart_ray.drafters.sps import SpsDrafter
+    from dart_ray.drafters.sps_model import SpsConfig, SpsModel
+    from dart_ray.training.objectives import medusa_train_forward, sps_train_forward
+
+    args = tiny.args
+    d2t = torch.randperm(args.vocab_size)[:512].sort().values
+    medusa = MedusaModel(MedusaConfig.for_target(args, tiny.model_id, depth=3, draft_vocab=512))
+    medusa.init_from_target(tiny.model, d2t)
+    with torch.no_grad():
+        for blk in medusa.blocks:
+            blk.weight.normal_(0, 0.1)
+    medusa.eval()
+    L = 12
+    tokens = torch.randint(0, args.vocab_size, (1, L))
+    cache = tiny.model.new_cache(1, 64)
+    fin, _, _ = teacher_pass(tiny.model, cache, tokens, [L], medusa.cfg.tap_layers, 4)
+    with torch.no_grad():
+        ref = medusa_train_forward(medusa, fin)                                    # [1, L-1, 3, Vd]
+    md = MedusaDrafter(medusa)
+    md.allocate(1, 64)
+    md.prefill(slice(0, 1), [7], fin, tokens[:, 1:])
+    torch.testing.assert_close(md.draft_logits(1, 3)[0][:, d2t], ref[0, 6])
+    # SpS: the cached chain (catch-up chunk, then one token at a time) equals the training forward
+    sps_cfg = SpsConfig.for_target(args, tiny.model_id, num_layers=2, init_layers=(1, 3),
+                                   draft_vocab=512, max_depth=4)
+    sps = SpsModel(sps_cfg).init_from_target(tiny.model, d2t).eval()
+    with torch.no_grad():
+        head = tiny.model.lm_head.weight[d2t]
+        ref = sps_train_forward(sps, tiny.model.embed, tokens, head)             # [1, L-1, 1, Vd]
+    sd = SpsDrafter(sps, tiny.model.embed, tiny.model.lm_head.weight)
+    sd.allocate(1, 64)
+    sd.prefill(slice(0, 1), [5], None, None)
+    with torch.inference_mode():
+        pos = torch.arange(6)[None]
+        from dart_ray.masks import attention_mask, causal_ancestors
+        lg = sd._logits(tokens[:, :6], pos,
+                        attention_mask([0], causal_ancestors(6), 6, torch.float32), [0], 1)
+        sd.cache.commit_all(slice(0, 1), [6])
+        nxt = sd._logits(tokens[:, 6:7], torch.tensor([[6]]), None, [6], 1)
+    torch.testing.assert_close(lg[0, 1:6], ref[0, :5, 0], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(nxt[0, 0], ref[0, 5, 0], atol=2e-4, rtol=1e-4)
+
+
+def test_joint_training_shares_batches_and_resumes(tmp_path, tiny_dirs):
+    """Several archs in one run: one teacher pass per batch, equal steps, per-arch outputs,
+    resume."""
+    from dart_ray.training.gen_data import generate_data
+    from dart_ray.training.trainer import TrainConfig, train
+
+    corpus = [{"prompt": f"def h{i}(x):\n    \"\"\"Return x minus {i}.\"\"\"\n", "source": "code",
+               "chat": False}
+              for i in range(8)]
+    data = generate_data(tmp_path / "data", model=str(tiny_dirs["llama"]), dtype="fp32",
+                         method="none", max_new_tokens=10, batch_size=4, shard_size=8,
+                         corpus=corpus, progress=False)
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), model=str(tiny_dirs["llama"]),
+                      arch="dart", joint=("eagle:2", "medusa", "sps:4"), depth=3, max_steps=3,
+                      seqs_per_step=2, max_len=40, draft_vocab=256, eval_every=100, ckpt_every=1,
+                      eval_seqs=2)
+    # stops after step 1
+    s = train(TrainConfig(**{**cfg.__dict__, "time_budget_s": 1e-9}), progress=False)
+    assert s["arch"] == "dart" and s["steps"] == 1
+    assert sorted(s["joint_with"]) == ["eagle", "medusa", "sps"]
+    for arch in ("dart", "eagle", "medusa", "sps"):
+        summ = json.loads((tmp_path / "run" / arch / "train_summary.json").read_text())
+        assert summ["steps"] == 1 and summ["train_wall_s"] > 0
+    s2 = train(cfg, progress=False)
+    assert s2["steps"] == 3 and len(s2["losses"]) == 3
+    summary = json.loads((tmp_path / "run" / "eagle" / "train_summary.json").read_text())
+    assert summary["config"]["depth"] == 2
+
+
+def test_ship_baseline_writes_card_and_checks_size(tmp_path, tiny):
+    from dart_ray.drafters.medusa_model import MedusaConfig, MedusaModel
+    from dart_ray.training.ship import ship
+
+    run = tmp_path / "run"
+    MedusaModel(MedusaConfig.for_target(tiny.args, tiny.model_id, depth=2,
+                                        draft_vocab=64)).save(run / "drafter")
+    ev = {"top1": [0.5, 0.25], "top5": [0.75, 0.5], "chain_tau": 1.6, "n_prefixes": 10}
+    (run / "train_summary.json").write_text(json.dumps({
+        "arch": "medusa", "steps": 3, "train_seqs": 8, "val_seqs": 2, "train_wall_s": 60.0,
+        "joint_with": ["dart"], "final_eval": ev,
+        "config": {"arch": "medusa", "depth": 2, "draft_vocab": 64}}))
+    dest = ship(run, None, "tiny-model", "make artifacts", dest_root=tmp_path / "artifacts")
+    card = (dest / "medusa" / "CARD.md").read_text()
+    assert "Medusa heads" in card and "1.60" in card and "jointly with dart" in card
+    assert MedusaModel.load(dest / "medusa").cfg.depth == 2
+    assert not (dest / "CARD.md").exists()  # the DART card is not touched by a baseline
+
+
+def test_batch_stream_resume_replays_across_epochs():
+    """A run resumed at step s (here past an epoch boundary) sees the uninterrupted run's
+    batches."""
+    from itertools import islice
+
+    from dart_ray.training.trainer import _batch_stream
+
+    seqs = [([i] * 5, "code") for i in range(7)]          # 3 batches of 2 per epoch
+    full = list(islice(_batch_stream(seqs, 2, 4, seed=3), 8))
+    resumed = list(islice(_batch_stream(seqs, 2, 4, seed=3, skip=5), 3))
+    assert resumed == full[5:8]
+    assert full[:3] != full[3:6]                           # each epoch draws a new permutation
+    assert all(len(s) == 4 for b in full for s in b)       # truncated to max_len
+
+
+# ---------------------------------------------------------------------------------------------
+# continuing runs, init from the target, measuring while training (issue 17)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_mixed_data(tmp_path_factory, tiny_dirs):
+    """Code and chat rows answered by the tiny target, half of them held out."""
+    from dart_ray.training.gen_data import generate_data
+
+    corpus = [{"prompt": f"def k{i}(x):\n    \"\"\"Return x to the power {i}.\"\"\"\n",
+               "source": "code", "chat": False}
+              for i in range(10)]
+    corpus += [{"prompt": f"Give me {i} tips for keeping a small garden tidy.", "source": "chat",
+                "chat": True}
+               for i in range(10)]
+    return generate_data(tmp_path_factory.mktemp("mixed") / "data", model=str(tiny_dirs["llama"]),
+                         dtype="fp32", method="none", max_new_tokens=10, batch_size=4,
+                         shard_size=10, corpus=corpus, val_frac=0.4, progress=False)
+
+
+def _base_cfg(data, tiny_dirs, **kw):
+    from dart_ray.training.trainer import TrainConfig
+
+    base = {"data": str(data), "model": str(tiny_dirs["llama"]), "depth": 3, "max_steps": 4,
+            "seqs_per_step": 2, "max_len": 40, "draft_vocab": 256, "eval_every": 100,
+            "ckpt_every": 100, "eval_seqs": 2, "warmup_steps": 2, "lr": 3e-3}
+    return TrainConfig(**{**base, **kw})
+
+
+def _state(run):
+    return torch.load(run / "checkpoint" / "state.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_time_budget_stop_and_continue_equal_uninterrupted(tmp_path, tiny_dirs, tiny_mixed_data,
+                                                           dtype):
+    """A run stopped by its time budget, then rerun (or resumed elsewhere with --lr-schedule
+    continue), ends bit-identical to the uninterrupted run: weights, AdamW moments, data order, LR,
+    losses. In both training dtypes (bf16: teacher in bf16, students under bf16 autocast)."""
+    import shutil
+
+    from dart_ray.training.trainer import train
+
+    a = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "a"), dtype=dtype),
+              progress=False)
+    b1 = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "b"), time_budget_s=1e-9,
+                         dtype=dtype),
+               progress=False)
+    assert b1["steps"] == 1 and b1["stopped"] == "time budget" and b1["plan_end"] == 4
+    # a usable drafter at the stop
+    assert (tmp_path / "b" / "drafter" / "model.safetensors").is_file()
+    shutil.copytree(tmp_path / "b", tmp_path / "b_at_1")
+    b = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "b"), dtype=dtype),
+              progress=False)
+    c = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "c"),
+                        resume=str(tmp_path / "b_at_1"), lr_schedule="continue", dtype=dtype),
+              progress=False)
+    assert a["steps"] == b["steps"] == c["steps"] == 4
+    assert a["losses"] == b["losses"] == c["losses"]
+    ref = _state(tmp_path / "a")
+    for run in ("b", "c"):
+        st = _state(tmp_path / run)
+        assert st["step"] == 4 and st["data_pos"] == ref["data_pos"] == 4
+        assert st["plan"] == ref["plan"]
+        for k, v in ref["model"].items():
+            assert torch.equal(v, st["model"][k]), (run, k)
+        for pid, s in ref["opt"]["state"].items():
+            for name, v in s.items():
+                assert torch.equal(v, st["opt"]["state"][pid][name]), (run, pid, name)
+    lrs = [[r["lr"] for r in map(json.loads,
+                                 (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"] for run in ("a", "b", "c")]
+    assert lrs[0] == lrs[1] == lrs[2] and len(lrs[0]) == 4
+
+
+def test_resume_from_a_drafter_dir_keeps_its_vocabulary(tmp_path, tiny, tiny_dirs, tiny_mixed_data):
+    """--resume of a shipped-style drafter dir: weights and draft vocabulary kept, fresh plan
+    only."""
+    from dart_ray.training.trainer import train
+
+    cfg = DartConfig.for_target(tiny.args, tiny.model_id, depth=3, draft_vocab=256, tie_head=False)
+    shipped = DartModel(cfg).init_random(7)
+    shipped.d2t.copy_(torch.arange(256) * 7)
+    shipped.to(torch.bfloat16).save(tmp_path / "shipped")
+    with pytest.raises(ValueError, match="drafter directory"):
+        train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "x"),
+                        resume=str(tmp_path / "shipped"), lr_schedule="continue"), progress=False)
+    with pytest.raises(ValueError, match="does not fit"):
+        train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "y"),
+                        resume=str(tmp_path / "shipped"), lr_schedule="fresh", depth=4),
+              progress=False)
+    s = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "z"),
+                        resume=str(tmp_path / "shipped"), lr_schedule="fresh", max_steps=2),
+              progress=False)
+    assert s["steps"] == 2 and s["resumed"]["kind"] == "drafter"
+    assert torch.equal(DartModel.load(tmp_path / "z" / "drafter").d2t, torch.arange(256) * 7)
+    with pytest.raises(ValueError, match="inside --out"):
+        train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "w"),
+                        resume=str(tmp_path / "w"), lr_schedule="fresh"), progress=False)
+
+
+def test_train_cli_resume_needs_an_explicit_schedule(tmp_path, capsys):
+    from dart_ray.training.cli import train_cli
+
+    base = ["--data", str(tmp_path), "--out", str(tmp_path / "o"), "--resume", str(tmp_path / "r")]
+    for extra, msg in (([], "explicit --lr-schedule"),
+                       (["--lr-schedule", "continue", "--lr", "1e-4"], "--lr")):
+        with pytest.raises(SystemExit):
+            train_cli(base + extra)
+        assert msg in capsys.readouterr().err
+
+
+def test_init_from_target_reproduces_the_target_layer(tiny):
+    """With fc passing the tapped residual through and the embedding half silenced, the initialised
+    drafter layer computes exactly the target layer it was copied from."""
+    from dart_ray.masks import attention_mask, causal_ancestors
+    from dart_ray.training.objectives import init_from_target_layer
+
+    cfg = DartConfig.for_target(tiny.args, tiny.model_id, depth=3, draft_vocab=256, tie_head=False)
+    model = DartModel(cfg).init_random(1)
+    layer = cfg.tap_layers[-1]
+    init_from_target_layer(model, tiny.model, layer)
+    src = tiny.model.layers[layer]
+    assert torch.equal(model.mlp.gate_up.weight, src.mlp.gate_up.weight.float())
+    H, L = cfg.target_hidden, 12
+    with torch.no_grad():
+        model.attn.qkv.weight[:, :H].zero_()
+    tokens = torch.randint(0, tiny.args.vocab_size, (1, L))
+    cache = tiny.model.new_cache(1, 64)
+    taps, _, _ = teacher_pass(tiny.model, cache, tokens, [L], cfg.tap_layers, 4)
+    # input of the next layer
+    after, _, _ = teacher_pass(tiny.model, cache, tokens, [L], (layer + 1,), 4)
+    with torch.no_grad():
+        h, r = model.context_inputs(taps[:, :L - 1], tiny.model.embed(tokens[:, 1:]).float())
+        mask = attention_mask([0], causal_ancestors(L - 1), L - 1, torch.float32)
+        out = model.layer_out(h, r, torch.arange(L - 1)[None], mask, None, L - 1)
+    torch.testing.assert_close(out, after[:, :L - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_metrics_per_domain_logged_plotted_and_carded(tmp_path, tiny_dirs, tiny_mixed_data):
+    from dart_ray.training.ship import ship
+    from dart_ray.training.trainer import train
+
+    s = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "run"), max_steps=2,
+                        eval_every=1, init_from_target=True), progress=False)
+    assert s["held_out"] and set(s["final_eval_by_domain"]) == {"chat", "code"}
+    assert s["val_seqs_by_domain"] == {"chat": 2, "code": 2}
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["domain"]) for r in recs if r["kind"] == "eval"]
+    assert evals == [(st, d) for st in (1, 2) for d in ("chat", "code", "all")]
+    for r in recs:
+        if r["kind"] == "eval":
+            assert len(r["top1"]) == len(r["top5"]) == 3 and 1.0 <= r["chain_tau"] <= 4.0
+            assert 1.0 <= r["chain_len_indep"] <= 4.0
+    assert (tmp_path / "run" / "training.png").stat().st_size > 0
+    dest = ship(tmp_path / "run", None, "tiny-model", "make artifacts",
+                dest_root=tmp_path / "artifacts")
+    card = (dest / "CARD.md").read_text()
+    assert "**chat**" in card and "**code**" in card and "| chat | **" in card
+    assert "1 + sum prod top-1" in card
+    assert "LR plan: warmup 2" in card
+
+
+def test_dtype_is_resolved_recorded_and_carded(tmp_path, tiny_dirs, tiny_mixed_data, capsys):
+    """dtype "auto" resolves like the engine's (bf16 only where native and fast); the choice is in
+    the summary, the checkpoint and the card; a restart may change it (it fixes neither plan nor
+    data)."""
+    from dart_ray.hardware import resolve_dtype
+    from dart_ray.training.cli import train_cli
+    from dart_ray.training.ship import ship
+    from dart_ray.training.trainer import TrainConfig, train
+
+    want = resolve_dtype("auto", "cpu").dtype
+    s = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "run"), max_steps=2,
+                        time_budget_s=1e-9),
+              progress=False)
+    assert s["config"]["dtype"] == "auto"
+    assert s["dtype"]["dtype"] == want and s["dtype"]["requested"] == "auto"
+    assert _state(tmp_path / "run")["dtype"]["dtype"] == want
+    other = "bf16" if want == "fp32" else "fp32"
+    s2 = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "run"), max_steps=2,
+                         dtype=other),
+               progress=False)
+    assert s2["steps"] == 2 and s2["dtype"] == {"dtype": other, "requested": other,
+                                                "reason": "requested"}
+    assert f"trained in {want} before, continues in {other}" in capsys.readouterr().out
+    dest = ship(tmp_path / "run", None, "tiny-model", "make artifacts",
+                dest_root=tmp_path / "artifacts")
+    assert f"- teacher dtype: {other}" in (dest / "CARD.md").read_text()
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        TrainConfig(data="d", out="o", dtype="fp16")
+    with pytest.raises(SystemExit):
+        train_cli(["--data", str(tmp_path), "--out", str(tmp_path / "o"), "--dtype", "fp16"])
+    assert "--dtype" in capsys.readouterr().err
+
+
+def test_objectives_come_from_the_method_registry():
+    """Every registered objective has an implementation; --arch is checked against the registry; a
+    method registering an objective nobody implements is refused by name."""
+    from dart_ray.methods import MethodSpec, register, unregister
+    from dart_ray.training.objectives import get_objective, objective_names
+    from dart_ray.training.trainer import TrainConfig
+
+    assert objective_names() == ("dart", "eagle", "medusa", "sps")
+    assert [get_objective(a).name for a in objective_names()] == list(objective_names())
+    assert [get_objective(a).levels(TrainConfig(data="d", out="o", arch=a, depth=5))
+            for a in objective_names()] \
+        == [5, 5, 5, 1]
+    with pytest.raises(ValueError, match="arch must be one of"):
+        TrainConfig(data="d", out="o", arch="ngram")
+    register(MethodSpec("unimplemented", lambda *a: None, model="x:Y", config_file="u.json",
+                        artifact_dir="u", objective="unimplemented"))
+    try:
+        with pytest.raises(ValueError, match="no Objective implements"):
+            TrainConfig(data="d", out="o", arch="unimplemented")
+    finally:
+        unregister("unimplemented")
+
+
+def test_chain_length_definitions_by_hand():
+    from dart_ray.training.metrics import LevelCounts, chain_len_indep
+
+    c = LevelCounts([2.0, 1.0], [3.0, 2.0], [4.0, 4.0], chain_sum=3.0, n_prefixes=4)
+    both = (c + c).summary()
+    assert both["top1"] == [0.5, 0.25] and both["top5"] == [0.75, 0.5]
+    assert both["chain_tau"] == 1.75 and both["chain_len_indep"] == 1 + 0.5 + 0.125
+    assert chain_len_indep([0.5], chain_levels=3) == 1 + 0.5 + 0.25 + 0.125

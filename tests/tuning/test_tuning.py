@@ -1,0 +1,368 @@
+"""``dart-ray tune`` (tuning/): search space validity, study persistence and resume, the exactness
+gate, and a small end-to-end tune on a tiny random model through Ray Tune — interrupted, resumed,
+extended, with a crashing trial — whose profile loads into the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+import tempfile
+
+import pytest
+from conftest import make_tiny_checkpoint
+
+from dart_ray import (
+    DecodingConfig,
+    DecodingSchedule,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    load_profile,
+)
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("optuna")
+tune = pytest.importorskip("ray.tune")
+
+pytestmark = pytest.mark.tune
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello there, how", "1, 2, 3, 4, 5,",
+           "import numpy as np", "Once upon a time", "SELECT * FROM users", "The capital of France"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, smollm_dir):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tune") / "llama", "llama", smollm_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    from dart_ray.bench.prompts import write_jsonl
+
+    return write_jsonl(PROMPTS, tmp_path_factory.mktemp("tune_prompts") / "prompts.jsonl")
+
+
+# ---- search space ---------------------------------------------------------------------------
+@pytest.mark.parametrize("method,depth,has_ngram",
+                         [("dart", 8, True), ("dart", 8, False), ("dart", 3, True),
+                                                    ("dart", 1, False), ("ngram", 32, True),
+                          ("ngram", 32, False),
+                                                    ("medusa", 4, True), ("eagle", 6, False),
+                          ("sps", 6, False)])
+def test_space_points_are_valid_configs(method, depth, has_ngram):
+    import optuna
+
+    from tuning.space import SearchSpace
+
+    space = SearchSpace.for_drafter(method, depth, has_ngram)
+    default = space.default_point()
+    assert space.contains(default)
+    base = DecodingConfig().replace(draft_depth=min(8, depth))
+    if method == "eagle":  # its caps (top_k, beam_width <= 16) clip the defaults
+        base = base.replace(top_k=16, beam_width=16)
+    assert space.to_config(default) == base  # defaults kept
+    chunk = next(p for p in space.params if p.name == "draft_depth")
+    assert chunk.high <= depth
+    if not has_ngram:
+        assert "ngram_weight" not in space.names and "ngram_min_count" not in space.names
+    if method in ("ngram", "sps", "eagle"):
+        assert "top_k" in space.names or method != "eagle"
+        assert "logit_weight_base" not in space.names
+    if method == "sps":
+        assert space.names == ["draft_depth"]
+    rng = random.Random(0)
+    points = [space.sample(rng) for _ in range(300)]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    points += [study.ask(space.distributions()).params for _ in range(100)]
+    points += [{p.name: v for p in space.params} for v in (-1e9, 1e9)]  # clipped into range
+    for pt in points:
+        cfg = space.to_config(pt)                                         # validates
+        assert 1 <= cfg.draft_depth <= depth
+        assert 0 < cfg.logit_weight_base <= 1
+        assert cfg.level_weight_exp >= 0 and cfg.ngram_weight >= 0
+    with pytest.raises(ValueError):
+        space.to_config({"no_such_knob": 1})
+
+
+def test_space_rejects_untunable_method():
+    from tuning.space import SearchSpace
+
+    with pytest.raises(ValueError):
+        SearchSpace.for_drafter("none", 0)
+
+
+# ---- study persistence (no Ray) -------------------------------------------------------------
+def test_study_resume_bookkeeping(tmp_path):
+    from optuna.trial import TrialState
+
+    from tuning import study as st
+    from tuning.space import SearchSpace
+
+    space = SearchSpace.for_drafter("dart", 8, False)
+    storage = st.open_storage(f"sqlite:///{tmp_path / 'sub' / 'tune.db'}")
+    fp = {"model": "m", "space": "s"}
+    status = st.prepare_study(storage, "w.bs1", fp, space, target_trials=3)
+    assert (status.finished, status.remaining) == (0, 3)
+    first = status.study.ask(space.distributions())          # the enqueued default comes first
+    assert first.params == space.default_point() and first.user_attrs.get("is_default")
+    status.study.tell(first, 10.0)
+    status.study.ask(space.distributions())                  # left RUNNING: the driver "died"
+
+    status = st.prepare_study(st.open_storage(f"sqlite:///{tmp_path / 'sub' / 'tune.db'}"), "w.bs1",
+                              fp, space, 3)
+    assert (status.finished, status.remaining, status.requeued) == (1, 2, 1)
+    trials = status.study.get_trials()
+    assert [t.state for t in trials[:2]] == [TrialState.COMPLETE, TrialState.FAIL]
+    assert trials[1].user_attrs["interrupted"] and st.is_interrupted(trials[1])
+    assert trials[2].state == TrialState.WAITING and st.queued_params(trials[2]) == trials[1].params
+    assert st.default_trial(status.study).number == 0
+    assert st.best_complete(status.study).value == 10.0
+    with pytest.raises(st.StudyMismatchError):
+        st.prepare_study(storage, "w.bs1", {**fp, "model": "other"}, space, 3)
+
+
+# ---- exactness gate (no Ray) ----------------------------------------------------------------
+def test_exactness_violation_raises(tiny_model, monkeypatch):
+    from tuning.objective import ExactnessError, TrialJob, WorkerState, evaluate_config
+
+    cfg = EngineConfig(model=str(tiny_model), method="dart", drafter="random", ngram="none",
+                       dtype="fp32", max_batch_size=2, max_seq_len=256, num_threads=1)
+    state = WorkerState(cfg, check_dtype="fp32", check_batch=2)
+    assert state.check_engine is state.engine                # fp32: the measuring engine is checked
+    job = TrialJob(engine={}, batch_size=2, prompts=tuple(PROMPTS[:2]),
+                   check_prompts=tuple(PROMPTS[:2]), max_new_tokens=8,
+                   base_decoding=DecodingConfig().to_dict())
+    dec = DecodingConfig(tree_budget=12, top_k=4, beam_width=3)
+    seen = []
+    out = evaluate_config(state, dec, job, report=seen.append)   # exact: measured and reported
+    assert out["complete"] and out["tokens_per_s"] > 0 and seen[-1] == out
+
+    real_accept = state.check_engine._accept
+
+    def broken_accept(tree, logits, reqs):                  # a lossy verifier: bonus token is wrong
+        acc = real_accept(tree, logits, reqs)
+        acc.bonus = (acc.bonus + 1) % logits.shape[-1]
+        return acc
+
+    n_reports = len(seen)
+    monkeypatch.setattr(state.check_engine, "_accept", broken_accept)
+    with pytest.raises(ExactnessError, match="breaks exactness"):
+        evaluate_config(state, dec, job, report=seen.append)
+    assert len(seen) == n_reports                              # nothing reported for the broken run
+
+
+def test_half_precision_engine_is_checked_in_fp32(tiny_model):
+    from tuning.objective import WorkerState
+
+    cfg = EngineConfig(model=str(tiny_model), method="dart", drafter="random", ngram="none",
+                       dtype="bf16", max_batch_size=2, max_seq_len=256, num_threads=1)
+    state = WorkerState(cfg, check_dtype="fp32", check_batch=2)
+    assert state.check_engine is not state.engine and state.check_engine.config.dtype == "fp32"
+    assert state.check_engine.drafter.max_draft_depth == state.engine.drafter.max_draft_depth
+    state.check_exact(DecodingConfig(tree_budget=12, top_k=4, beam_width=3), PROMPTS[:2],
+                      SamplingParams(max_new_tokens=8, ignore_eos=True), batch_size=2)
+
+
+# ---- end to end through Ray Tune -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    tmp = tempfile.mkdtemp(prefix="drt-", dir="/tmp")           # short: Ray's socket paths must fit
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+_DEFAULT_KNOBS: dict = {}
+
+
+class Interrupt(tune.Callback):
+    """Aborts the tune driver once the 2nd trial at batch size 2 reports (a crash mid-trial)."""
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if result.get("batch_size") == 2 and trial.config != _DEFAULT_KNOBS:
+            raise RuntimeError("simulated interruption")
+
+
+def _settings(tiny_model, prompts_file, out_dir, trials, plots=False):
+    from tuning.runner import TuneSettings
+
+    engine = EngineConfig(model=str(tiny_model), method="dart", drafter="random", ngram="none",
+                          dtype="fp32", max_seq_len=256)
+    return TuneSettings(prompts=str(prompts_file), workload="tiny", out=str(out_dir / "tiny.yaml"),
+                        batch_sizes=[1, 2], trials=trials, engine=engine, max_new_tokens=8,
+                        num_prompts=6, prompts_per_trial=2, reports_per_trial=2, check_prompts=1,
+                        eval_repeats=1, plots=plots, seed=0)
+
+
+def _study(out_dir, b):
+    import optuna
+
+    return optuna.load_study(study_name=f"tiny.bs{b}", storage=f"sqlite:///{out_dir / 'tune.db'}")
+
+
+@pytest.mark.filterwarnings("ignore:Fixed parameter logit_weight_base:UserWarning")
+def test_tune_interrupt_resume_extend_profile(tiny_model, prompts_file, tmp_path, ray_cluster):
+    from optuna.trial import TrialState
+
+    from tuning import study as st
+    from tuning.runner import run_tune
+    from tuning.space import SearchSpace
+
+    _DEFAULT_KNOBS.update(SearchSpace.for_drafter("dart", 8, False).default_point())
+    out_dir = tmp_path / "tune"
+    lines: list[str] = []
+
+    # 1) interrupted while the 2nd trial at batch size 2 runs
+    with pytest.raises(Exception, match="simulated interruption"):  # Tune wraps it in a TuneError
+        run_tune(_settings(tiny_model, prompts_file, out_dir, trials=3), callbacks=[Interrupt()],
+                 log=lines.append)
+    s1, s2 = _study(out_dir, 1), _study(out_dir, 2)
+    assert len(st.finished_trials(s1)) == 3 and len(st.finished_trials(s2)) == 1
+    assert s1.trials[0].user_attrs.get("is_default") and s1.trials[0].state == TrialState.COMPLETE
+    assert s1.trials[0].params == _DEFAULT_KNOBS                          # defaults evaluated first
+    pids = {t.user_attrs["worker_pid"] for t in s1.trials}
+    # engine reused
+    assert len(pids) == 1 and {t.user_attrs["engine_builds"] for t in s1.trials} == {1}
+    interrupted = [t for t in s2.trials if st.is_interrupted(t)]
+    assert len(interrupted) == 1
+    waiting = s2.get_trials(states=(TrialState.WAITING,))
+    # its point is re-enqueued
+    assert [st.queued_params(t) for t in waiting] == [interrupted[0].params]
+    assert not (out_dir / "tiny.yaml").exists()
+
+    # 2) same command resumes: batch size 1 is done, batch size 2 runs only its 2 missing trials
+    out = run_tune(_settings(tiny_model, prompts_file, out_dir, trials=3), log=lines.append)
+    assert [r.ran_trials for r in out.results] == [0, 2]
+    s2 = _study(out_dir, 2)
+    assert len(st.finished_trials(s2)) == 3
+    assert s2.trials[-2].params == interrupted[0].params                 # the interrupted point ran
+    assert any("1 finished, 2 to run" in ln for ln in lines)
+
+    # the written profile loads (by path and by name) and drives an engine
+    sched = load_profile(out.profile_path)
+    assert sched == out.schedule and sched.workload == "tiny"
+    assert DecodingSchedule.from_dict(sched.to_dict()) == sched
+    assert [b for b, _ in sched.entries] == [1, 1024]
+    assert sched.meta["batch_sizes"][0]["tuned_batch_size"] == 1
+    assert sched.meta["trials_per_batch_size"] == 3
+    eng = Engine.from_config(EngineConfig(model=str(tiny_model), method="dart", drafter="random",
+                                          ngram="none", dtype="fp32", max_batch_size=2,
+                                          max_seq_len=256, num_threads=1))
+    ar = Engine.from_config(EngineConfig(model=str(tiny_model), method="none", dtype="fp32",
+                                         max_batch_size=2, max_seq_len=256, num_threads=1))
+    eng.set_decoding(sched)
+    assert eng.decoding_for(1) == sched.entries[0][1] and eng.decoding_for(2) == sched.entries[1][1]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert [c.token_ids for c in eng.generate(PROMPTS[:2], params)] == \
+        [c.token_ids for c in ar.generate(PROMPTS[:2], params)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DART_RAY_PROFILES", str(out_dir))
+        assert load_profile("tiny") == sched                           # by name, as the server does
+
+    # 3) raise the target to 4: exactly one more trial per batch size; at batch size 1 it is a
+    #    crashing config (invalid knob), recorded as a failed trial without stopping the tune
+    s1 = _study(out_dir, 1)
+    s1.enqueue_trial({**_DEFAULT_KNOBS, "logit_weight_base": 1.5})
+    out = run_tune(_settings(tiny_model, prompts_file, out_dir, trials=4, plots=True),
+                   log=lines.append)
+    assert [r.ran_trials for r in out.results] == [1, 1]
+    s1, s2 = _study(out_dir, 1), _study(out_dir, 2)
+    assert len(st.finished_trials(s1)) == 4 and len(st.finished_trials(s2)) == 4
+    failed = [t for t in s1.trials if t.state == TrialState.FAIL and not st.is_interrupted(t)]
+    assert len(failed) == 1 and "logit_weight_base" in failed[0].user_attrs.get("error", "")
+    assert out.results[0].counts["failed"] == 1
+    assert all(p.is_file() and p.stat().st_size > 0 for p in out.plots) and len(out.plots) == 2
+    assert "| batch |" in out.summary and load_profile(out.profile_path).workload == "tiny"
+
+
+def test_time_budget_is_honoured(tiny_model, prompts_file, tmp_path, ray_cluster):
+    """A budget too small to tune anything: no trial starts, the profile keeps the defaults, and
+    the run ends within the budget (plus the unavoidable engine load)."""
+    import time
+
+    from tuning.runner import run_tune
+
+    s = _settings(tiny_model, prompts_file, tmp_path, trials=3)
+    s.time_budget_s = 3.0
+    t0 = time.monotonic()
+    out = run_tune(s, log=lambda m: None)
+    assert time.monotonic() - t0 < 15
+    assert [r.ran_trials for r in out.results] == [0, 0]
+    assert all(cfg == DecodingConfig() for _, cfg in out.schedule.entries)
+    assert out.schedule.meta["time_budget_s"] == 3.0
+
+
+def test_cli_args(tmp_path):
+    from tuning.cli import build_parser, settings_from_args, tune_cli
+
+    a = build_parser().parse_args(["--prompts", "p.jsonl", "--workload", "code", "--out",
+                                   str(tmp_path / "x.yaml"), "--batch-sizes", "16,1,4", "--trials",
+                                   "5", "--time-budget", "60"])
+    s = settings_from_args(a)
+    assert s.batch_sizes == [1, 4, 16] and s.trials == 5 and s.time_budget_s == 60
+    assert s.storage_url == f"sqlite:///{tmp_path.resolve() / 'tune.db'}"
+    assert s.results_path == tmp_path.resolve() / "tune_results"
+    assert tune_cli(["--prompts", str(tmp_path / "missing.jsonl"), "--workload", "w",
+                     "--out", str(tmp_path / "x.yaml")]) == 2
+    assert tune_cli(["--prompts", "p", "--workload", "bad/name", "--out",
+                     str(tmp_path / "x.yaml")]) == 2
+    # issue 18: the engine flags are the shared ones and land in settings.engine (an EngineConfig)
+    assert s.engine == EngineConfig()
+    a = build_parser().parse_args(["--prompts", "p.jsonl", "--workload", "code", "--out",
+                                   str(tmp_path / "x.yaml"), "--model", "/m", "--method", "eagle",
+                                   "--drafter", "random", "--dtype", "fp32", "--max-seq-len", "512",
+                                   "--threads", "2", "--no-adaptive", "--drafter-seed", "3"])
+    assert settings_from_args(a).engine == EngineConfig(model="/m", method="eagle",
+                                                        drafter="random", dtype="fp32",
+                                                         max_seq_len=512, num_threads=2,
+                                                        adaptive=False, seed=3)
+    assert tune_cli(["--prompts", "p", "--workload", "w", "--out", str(tmp_path / "x.yaml"),
+                     "--method", "ar"]) == 2
+    assert tune_cli(["--prompts", "p", "--workload", "w", "--out", str(tmp_path / "x.yaml"),
+                     "--max-batch-size", "4"]) == 2
+    with pytest.raises(ValueError, match="AR has no knobs"):
+        dataclasses.replace(s, engine=EngineConfig(method="none"))
+    assert dataclasses.replace(s, engine={"method": "ngram"}).engine == EngineConfig(method="ngram")
+
+
+def test_study_fingerprint_is_the_engine_fingerprint_plus_the_workload(tmp_path):
+    """Issue 18: a study records ``EngineConfig.fingerprint()`` (less max_batch_size, which follows
+    the run's batch sizes) with the workload and the machine; any other engine setting refuses a
+    resume."""
+    from types import SimpleNamespace
+
+    from tuning.runner import TuneSettings
+    from tuning.search import study_fingerprint
+    from tuning.space import SearchSpace
+
+    s = TuneSettings(prompts="p.jsonl", workload="w", out=str(tmp_path / "w.yaml"),
+                     engine=EngineConfig(drafter="random", dtype="fp32"))
+    machine = SimpleNamespace(fingerprint=SimpleNamespace(to_dict=lambda: {"cpu": "Test CPU"}))
+
+    def study_fp(cfg: EngineConfig) -> dict:
+        run = SimpleNamespace(settings=s, engine_config=cfg, engine=machine,
+                              tune_prompts=["a", "b"],
+                              space=SearchSpace.for_drafter("dart", 8, False))
+        return study_fingerprint(run, 2, ("a",), 8)
+
+    cfg = s.engine.replace(max_batch_size=4, num_threads=2)
+    fp = study_fp(cfg)
+    shared = {k: v for k, v in fp.items() if k in cfg.fingerprint()}
+    assert shared == cfg.fingerprint(exclude=["max_batch_size"])
+    assert fp["hardware"] == {"cpu": "Test CPU"} and fp["max_new_tokens"] == s.max_new_tokens
+    json.dumps(fp)                                                      # an Optuna user attr
+    assert study_fp(cfg.replace(max_batch_size=16)) == fp               # another batch size resumes
+    for change in ({"num_threads": 1}, {"adaptive": False}, {"seed": 1}, {"max_seq_len": 1024},
+                   {"decoding": DecodingConfig(lookup_paths=0)}):
+        other = study_fp(cfg.replace(**change))
+        assert other != fp, change
