@@ -3,8 +3,10 @@ oracles) and the real SmolLM2 default (converted once into a session cache)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,29 @@ def tiny_baselines(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
 
     target = load_target(str(tiny_dirs["llama"]), "fp32", max_seq_len=512)
     return save_random_baselines(target, tmp_path_factory.mktemp("baselines"))
+
+
+MIXED_PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "Hello",
+    "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3",
+]
+"""Engine tests' prompts: a copy, prose, a one-word prompt and a repeating sequence."""
+
+
+@contextlib.contextmanager
+def local_ray(prefix: str):
+    """A 2-CPU in-process Ray for one test module; reuses a Ray already started in this process."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")           # short: Ray's socket paths must fit
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import MIXED_PROMPTS
 
 from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
 from dart_ray.drafters import make_drafter
@@ -24,12 +25,7 @@ from dart_ray.tree.search import build_trees
 from dart_ray.verify import accept, greedy_accept, sample_accept
 from dart_ray.verify.logits import NodeLogits, internal_nodes
 
-PROMPTS = [
-    "def add(a, b):\n    return a + b\n\ndef add(a, b):",
-    "The quick brown fox jumps over the lazy dog. The quick brown",
-    "Hello",
-    "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3",
-]
+PROMPTS = MIXED_PROMPTS
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 GRID_B, GRID_T = [1, 2, 4, 8, 16], [1, 2, 3, 5, 9, 17, 33, 65]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import MIXED_PROMPTS
 
 from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
 from dart_ray.drafters import Drafter, make_drafter
@@ -14,12 +15,7 @@ from dart_ray.engine import PromptTooLongError
 from dart_ray.models import load_target
 from dart_ray.tree import pack_trees
 
-PROMPTS = [
-    "def add(a, b):\n    return a + b\n\ndef add(a, b):",
-    "The quick brown fox jumps over the lazy dog. The quick brown",
-    "Hello",
-    "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3",
-]
+PROMPTS = MIXED_PROMPTS
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 

@@ -7,11 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import shutil
-import tempfile
 
 import pytest
-from conftest import make_tiny_checkpoint
+from conftest import local_ray, make_tiny_checkpoint
 
 from dart_ray import (
     DecodingConfig,
@@ -168,18 +166,8 @@ def test_half_precision_engine_is_checked_in_fp32(tiny_model):
 # ---- end to end through Ray Tune -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray
-
-    if ray.is_initialized():
+    with local_ray("drt-"):
         yield
-        return
-    tmp = tempfile.mkdtemp(prefix="drt-", dir="/tmp")           # short: Ray's socket paths must fit
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 _DEFAULT_KNOBS: dict = {}

@@ -10,12 +10,10 @@ SQLite storage (old trials kept, new ones added). One small end-to-end warm-star
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 import warnings
 
 import pytest
-from conftest import make_tiny_checkpoint
+from conftest import local_ray, make_tiny_checkpoint
 
 pytest.importorskip("optuna")
 
@@ -325,17 +323,9 @@ def test_cli_for_this_machine_and_objective(tmp_path):
 # ---- end to end: warm-started two-objective tune through Ray Tune -----------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
+    pytest.importorskip("ray")
+    with local_ray("drh-"):
         yield
-        return
-    tmp = tempfile.mkdtemp(prefix="drh-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
