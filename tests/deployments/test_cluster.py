@@ -621,6 +621,10 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
     from dart_ray import EngineConfig, SamplingParams
 
     cluster.ensure("node_a", "node_b")
+    with contextlib.suppress(Exception):  # the serve apps of the tests above: their CPUs are the job's
+        from ray import serve
+
+        serve.delete("main")
     n = 160
     ids = [f"row-{i:04d}" for i in range(n)]
     inp = tmp_path / "prompts.parquet"
