@@ -621,7 +621,7 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
     from dart_ray import EngineConfig, SamplingParams
 
     cluster.ensure("node_a", "node_b")
-    with contextlib.suppress(Exception):  # the serve apps of the tests above: their CPUs are the job's
+    with contextlib.suppress(Exception):  # free the serve app's CPUs for the job
         from ray import serve
 
         serve.delete("main")
