@@ -11,13 +11,7 @@ import sys
 import time
 import warnings
 
-from dart_ray.config import (  # resolve_method: re-exported from its old home here
-    EngineConfig,
-    RenamedWarning,
-    add_engine_args,
-    engine_args,
-    resolve_method,  # noqa: F401
-)
+from dart_ray.config import EngineConfig, RenamedWarning, add_engine_args, engine_args
 
 
 def _add_profile_arg(p: argparse.ArgumentParser) -> None:

@@ -16,8 +16,8 @@ Every dataclass is frozen and validates itself in ``__post_init__``; bad values 
 flags, /metrics, docs): ``draft_depth`` is the number of positions drafted per step (the paper's
 d; the SpS papers' gamma), capped by a drafter's ``max_draft_depth`` (its trained depth);
 ``tree_budget`` is the most draft nodes a tree keeps. Renamed spellings keep working for one release
-with a :class:`RenamedWarning`: the ``chunk_len`` key (:data:`RENAMED_DECODING_KEYS`) and old flags
-(:func:`add_renamed_flag`).
+with a :class:`RenamedWarning`: the ``chunk_len`` key (:data:`RENAMED_DECODING_KEYS`), old
+attributes (:class:`RenamedAttribute`) and old flags (:func:`add_renamed_flag`).
 
 **One path for engine settings** (like vLLM's ``EngineArgs``): every :class:`EngineConfig` field is
 declared once, here. :meth:`EngineConfig.from_dict` / :meth:`EngineConfig.to_dict` are its dict
@@ -74,6 +74,29 @@ def warn_renamed(old: str, new: str, what: str = "", stacklevel: int = 3) -> Non
     warnings.warn(f"{where}{old!r} is deprecated and will be removed in the next release; use "
                   f"{new!r}",
                   RenamedWarning, stacklevel=stacklevel)
+
+
+class RenamedAttribute:
+    """A deprecated attribute name: ``old = RenamedAttribute("new")`` in a class body reads and
+    writes ``new`` with a :class:`RenamedWarning` (one release). Writes to a frozen dataclass
+    still raise."""
+
+    def __init__(self, new: str) -> None:
+        self.new = new
+        self.__doc__ = f"Deprecated: :attr:`{new}` (removed next release)."
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old, self.what = name, f"{owner.__name__} attribute"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        warn_renamed(self.old, self.new, self.what)
+        return getattr(obj, self.new)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        warn_renamed(self.old, self.new, self.what)
+        setattr(obj, self.new, value)
 
 
 RENAMED_DECODING_KEYS: dict[str, str] = {"chunk_len": "draft_depth"}
@@ -181,11 +204,7 @@ class DecodingConfig:
         _check(1 <= self.lookup_min_match <= 3,
                f"lookup_min_match must be in [1, 3], got {self.lookup_min_match}")
 
-    @property
-    def chunk_len(self) -> int:
-        """Deprecated: :attr:`draft_depth` (removed next release)."""
-        warn_renamed("chunk_len", "draft_depth", "DecodingConfig attribute")
-        return self.draft_depth
+    chunk_len = RenamedAttribute("draft_depth")
 
     def replace(self, **changes) -> DecodingConfig:
         """A copy with ``changes`` applied (validated; renamed keys accepted with a warning)."""
@@ -495,10 +514,6 @@ def _engine_flags() -> list[tuple[str, tuple[str, ...], dict]]:
     ]
 
 
-def _dest(name: str, kwargs: dict) -> str:
-    return kwargs.get("dest", name)
-
-
 def add_engine_args(parser: argparse.ArgumentParser, *, title: str = "engine",
                     help: Mapping[str, str] | None = None,
                     **defaults: Any) -> argparse._ArgumentGroup:
@@ -552,7 +567,7 @@ def engine_args(namespace: argparse.Namespace) -> dict:
     """The engine fields a command line set (flags of :func:`add_engine_args` that are not None)."""
     out = {}
     for name, _, kwargs in _engine_flags():
-        v = getattr(namespace, _dest(name, kwargs), None)
+        v = getattr(namespace, kwargs.get("dest", name), None)
         if v is not None:
             out[name] = v
     return out

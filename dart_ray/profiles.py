@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dart_ray.config import DecodingConfig, warn_renamed
+from dart_ray.config import DecodingConfig, RenamedAttribute
 
 SHIPPED = Path(__file__).resolve().parent / "artifacts" / "profiles"
 
@@ -78,11 +78,7 @@ class DecodingSchedule:
         """The deepest ``draft_depth`` of any entry: the draft positions a server lists."""
         return max(cfg.draft_depth for _, cfg in self.entries)
 
-    @property
-    def max_chunk_len(self) -> int:
-        """Deprecated: :attr:`max_draft_depth` (removed next release)."""
-        warn_renamed("max_chunk_len", "max_draft_depth", "DecodingSchedule attribute")
-        return self.max_draft_depth
+    max_chunk_len = RenamedAttribute("max_draft_depth")
 
     @classmethod
     def constant(cls, cfg: DecodingConfig, workload: str = "default") -> DecodingSchedule:

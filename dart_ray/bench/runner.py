@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
-from dart_ray.config import DecodingConfig, EngineConfig, SamplingParams
+from dart_ray.config import METHOD_ALIASES, DecodingConfig, EngineConfig, SamplingParams
+from dart_ray.methods import method_names
 
-OWN = {"ar": "none", "ngram": "ngram", "sps": "sps", "medusa": "medusa", "eagle": "eagle",
-       "dart": "dart"}
+OWN = {**METHOD_ALIASES,
+       **{m: m for m in method_names() if m not in METHOD_ALIASES.values()}}
+"""Bench name -> engine method: every registered method, plain decoding as ``ar``."""
 HF = ("hf", "hf-pld")
 ALL_METHODS = tuple(OWN) + HF
 

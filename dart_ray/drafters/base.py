@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dart_ray.config import DecodingConfig, warn_renamed
+from dart_ray.config import DecodingConfig, RenamedAttribute
 from dart_ray.tree import TokenTree
 
 
@@ -80,16 +80,7 @@ class Drafter(abc.ABC):
     """Deepest level this drafter can propose, its trained depth: it drafts
     ``min(decoding.draft_depth, max_draft_depth)`` positions per step."""
 
-    @property
-    def max_depth(self) -> int:
-        """Deprecated: :attr:`max_draft_depth` (removed next release)."""
-        warn_renamed("max_depth", "max_draft_depth", "Drafter attribute")
-        return self.max_draft_depth
-
-    @max_depth.setter
-    def max_depth(self, value: int) -> None:
-        warn_renamed("max_depth", "max_draft_depth", "Drafter attribute")
-        self.max_draft_depth = value
+    max_depth = RenamedAttribute("max_draft_depth")
 
     def __init__(self) -> None:
         self.tree_time_s = 0.0

@@ -129,22 +129,28 @@ class SpeculationController:
         below = [m for m in self.acc if m < n]
         return self.acc[max(below)] if below else 0.0
 
-    def step_seconds(self, B: int, n: int) -> float:
+    def step_seconds(self, B: int, n: int, verify_s: float | None = None) -> float:
+        """Seconds of a step over ``B`` rows verifying ``n`` nodes (``verify_s``: the cost model's
+        ``verify_s(B, n + 1)``, when the caller has it already)."""
+        if verify_s is None:
+            verify_s = self.cost.verify_s(B, n + 1)
         draft = 0.0
         if n > 0:
             draft = self.draft_s[B] if B in self.draft_s else self._nearest(self.draft_s, B, 0.0)
         key = (B, n > 0)
         over = self.overhead_s[key] if key in self.overhead_s else self._nearest_over(B, n > 0)
-        return draft + self.cost.verify_s(B, n + 1) + over
+        return draft + verify_s + over
 
-    def rate(self, B: int, n: int) -> float:
+    def rate(self, B: int, n: int, verify_s: float | None = None) -> float:
         """Expected committed tokens per second of a step over ``B`` rows verifying ``n`` nodes."""
-        return B * (1.0 + self.expected_accepted(n)) / self.step_seconds(B, n)
+        return B * (1.0 + self.expected_accepted(n)) / self.step_seconds(B, n, verify_s)
 
     def best(self, B: int, max_nodes: int) -> int:
-        sizes = ladder_upto(max_nodes)
-        n = max(sizes, key=lambda n: (self.rate(B, n), -n))
-        if n and self.rate(B, n) < (1.0 + self.config.min_gain) * self.rate(B, 0):
+        sizes = ladder_upto(max_nodes)                                    # 0 (plain) first
+        verify = self.cost.verify_many(B, [n + 1 for n in sizes])
+        rate = {n: self.rate(B, n, v) for n, v in zip(sizes, verify, strict=True)}
+        n = max(sizes, key=lambda n: (rate[n], -n))
+        if n and rate[n] < (1.0 + self.config.min_gain) * rate[0]:
             return 0
         return n
 
@@ -174,9 +180,10 @@ class SpeculationController:
         return n
 
     def _warmup_size(self, B: int, max_nodes: int) -> int:
-        limit = self.config.warmup_cost_ratio * self.cost.verify_s(B, 1)
-        fits = [n for n in ladder_upto(max_nodes)
-                if n > 0 and self.cost.verify_s(B, n + 1) <= limit]
+        sizes = [n for n in ladder_upto(max_nodes) if n > 0]
+        plain, *verify = self.cost.verify_many(B, [1] + [n + 1 for n in sizes])
+        limit = self.config.warmup_cost_ratio * plain
+        fits = [n for n, v in zip(sizes, verify, strict=True) if v <= limit]
         return max(fits) if fits else 1
 
     # ---- learning --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import bisect
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +56,11 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
     """Monotone piecewise-linear through (xs, ys) (a running maximum: a bigger forward never costs
     less; measurement noise must not say otherwise); beyond the last point, linear through the
     origin (a forward that large is compute-bound), a deliberately pessimistic extrapolation."""
-    ys = list(itertools.accumulate(ys, max))
+    return _interp_monotone(xs, list(itertools.accumulate(ys, max)), x)
+
+
+def _interp_monotone(xs: list[int], ys: list[float], x: float) -> float:
+    """:func:`_interp` of ``ys`` that are already a running maximum."""
     if x <= xs[0]:
         return ys[0]
     if x >= xs[-1]:
@@ -89,17 +94,23 @@ class CostModel:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
 
     # ---- prediction ------------------------------------------------------------------------------
-    def _row(self, B: int, T: float) -> float:
-        pts = [(t, self.table[(B, t)]) for t in self.tokens if (B, t) in self.table]
-        if not pts:
-            raise KeyError(B)
-        return _interp([p[0] for p in pts], [p[1] for p in pts], T)
-
     def verify_s(self, B: int, T: int) -> float:
         """Predicted seconds of a verify forward over ``B`` rows x ``T`` tokens (T >= 1)."""
-        rows = [b for b in self.batches if any((b, t) in self.table for t in self.tokens)]
-        ys = [self._row(b, T) for b in rows]
-        return max(_interp(rows, ys, B), 1e-9)
+        return self.verify_many(B, (T,))[0]
+
+    def verify_many(self, B: int, Ts: Sequence[int]) -> list[float]:
+        """:meth:`verify_s` of ``B`` rows for each of ``Ts``, reading the grid once (the
+        controller prices every ladder size each step)."""
+        rows: list[int] = []                             # batch sizes with measured cells
+        curves: list[tuple[list[int], list[float]]] = []  # their (tokens, running-max seconds)
+        for b in self.batches:
+            pts = [(t, s) for t in self.tokens if (s := self.table.get((b, t))) is not None]
+            if pts:
+                rows.append(b)
+                curves.append(([t for t, _ in pts],
+                               list(itertools.accumulate((s for _, s in pts), max))))
+        return [max(_interp(rows, [_interp_monotone(ts, ss, T) for ts, ss in curves], B), 1e-9)
+                for T in Ts]
 
     @classmethod
     def from_function(cls, fn, batches: list[int], tokens: list[int], **kw) -> CostModel:

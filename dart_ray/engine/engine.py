@@ -15,6 +15,7 @@ with the ``none`` drafter (root-only trees), so speedups are measured against th
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 import uuid
@@ -36,6 +37,7 @@ from dart_ray.masks import attention_mask, causal_ancestors
 from dart_ray.models.loading import LoadedTarget
 from dart_ray.profiles import DecodingSchedule
 from dart_ray.tree import TokenTree, empty_tree
+from dart_ray.verify import accept
 from dart_ray.verify.logits import NodeLogits
 
 PromptLike = str | list[int] | list[dict]
@@ -44,6 +46,15 @@ MIN_TREE_SCRATCH = 64
 """Cache slots reserved beyond ``max_model_len`` for the draft tree (at least this many, so a
 profile loaded later can use trees of this size). Trees are capped to the reserve, never the
 request."""
+
+
+@functools.lru_cache(maxsize=256)
+def _first_nodes_knobs(decoding: DecodingConfig, n: int) -> DecodingConfig:
+    """The knobs of a budget-``n`` search, whose tree is the first ``n`` nodes of the full one.
+    Cached: the controller picks among a few ladder sizes, so a step reuses one of a few configs
+    instead of building and validating a new one."""
+    return decoding.replace(tree_budget=min(decoding.tree_budget, n),
+                            draft_depth=min(decoding.draft_depth, n))
 
 
 class PromptTooLongError(ValueError):
@@ -342,8 +353,7 @@ class Engine:
                          generators=[r.generator for r in reqs])
         if n > 0:
             if n < max_nodes:            # a small tree: the first n nodes of a budget-n search
-                view.decoding = decoding.replace(tree_budget=min(decoding.tree_budget, n),
-                                                 draft_depth=min(decoding.draft_depth, n))
+                view.decoding = _first_nodes_knobs(decoding, n)
             tree = self.drafter.propose(view).truncate(n)                      # draft + tree search
         else:
             tree = empty_tree(roots)                                           # a plain AR step
@@ -358,16 +368,17 @@ class Engine:
         m.verify_s += t2 - t1
 
         acc = self._accept(tree, logits, reqs)                            # path + bonus
-        num_committed = (acc.num_accepted + 1).tolist()                   # root + accepted drafts
+        # per row, in one copy to the host: committed tokens (root + accepted drafts), the bonus
+        # token, draft nodes verified, speculated positions
+        num_committed, bonus, n_draft, depth = torch.stack([
+            acc.num_accepted + 1, acc.bonus, tree.valid.sum(1) - 1,
+            tree.depths.masked_fill(~tree.valid, 0).amax(1)]).tolist()
         path_tokens = self._commit(tree, acc, taps, num_committed, view)  # [B][d+1] ids on the path
         m.head_rows += logits.head_rows
         t3 = time.perf_counter()
         m.accept_s += t3 - t2
 
         m.steps += 1                                                      # emit
-        bonus = acc.bonus.tolist()
-        n_draft = tree.valid.sum(1).sub(1).tolist()
-        depth = tree.depths.masked_fill(~tree.valid, 0).amax(1).tolist()  # [B] speculated positions
         finished = []
         for b, r in enumerate(reqs):
             k = num_committed[b] - 1
@@ -400,8 +411,6 @@ class Engine:
         return NodeLogits.lazy(tree, out.hidden, self.model.head), out.taps
 
     def _accept(self, tree: TokenTree, logits: torch.Tensor | NodeLogits, reqs: list[Request]):
-        from dart_ray.verify import accept
-
         return accept(tree, logits, [r.params for r in reqs], [r.generator for r in reqs])
 
     def _commit(self, tree: TokenTree, acc, taps, num_committed: list[int],
@@ -421,7 +430,7 @@ class Engine:
         # what follows each committed position: the next accepted draft, then the new root (bonus)
         A = max(num_committed)
         nxt = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)[:, :A].clone()  # [B, A]
-        nxt[torch.arange(B, device=dev), torch.tensor(num_committed, device=dev) - 1] = acc.bonus
+        nxt[torch.arange(B, device=dev), acc.num_accepted] = acc.bonus
         tap_sel = None
         if self.drafter.taps:
             idx = path[:, :A, None].expand(-1, -1, taps.shape[-1])

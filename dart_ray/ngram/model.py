@@ -88,37 +88,6 @@ def _check_vocab_size(vocab_size: int) -> None:
         raise ValueError(f"vocab_size must be in [1, {TOKEN_LIMIT}], got {vocab_size}")
 
 
-def _check_arrays(
-    order: int,
-    ngram_keys: list[np.ndarray],
-    ngram_counts: list[np.ndarray],
-    ngram_rank: list[np.ndarray],
-    ctx_keys: list[np.ndarray],
-    ctx_totals: list[np.ndarray],
-) -> None:
-    """The count tables fit ``order``: one 1-D keys/counts/rank triple per n, one keys/totals pair
-    per context length, equal lengths within each."""
-    for name, lst, want in (
-        ("ngram_keys", ngram_keys, order),
-        ("ngram_counts", ngram_counts, order),
-        ("ngram_rank", ngram_rank, order),
-        ("ctx_keys", ctx_keys, order - 1),
-        ("ctx_totals", ctx_totals, order - 1),
-    ):
-        if len(lst) != want:
-            raise ValueError(f"{name}: expected {want} arrays for order {order}, got {len(lst)}")
-    for n in range(1, order + 1):
-        k, c, r = ngram_keys[n - 1], ngram_counts[n - 1], ngram_rank[n - 1]
-        if not (k.ndim == c.ndim == r.ndim == 1 and k.shape == c.shape == r.shape):
-            raise ValueError(
-                f"order {n}: keys/counts/rank lengths differ: {k.shape} {c.shape} {r.shape}"
-            )
-    for c in range(1, order):
-        k, t = ctx_keys[c - 1], ctx_totals[c - 1]
-        if not (k.ndim == t.ndim == 1 and k.shape == t.shape):
-            raise ValueError(f"context length {c}: keys/totals lengths differ: {k.shape} {t.shape}")
-
-
 def _read_meta(meta_path: Path) -> dict[str, Any]:
     """Validate ``meta.json`` of a saved model -> its settings (order, vocab_size, min_count,
     unigram_total, num_tokens_trained as ints; info as a dict). Errors name the file."""
@@ -307,7 +276,6 @@ class NGramModel:
         _check_order(order)
         _check_min_count(min_count)
         _check_vocab_size(vocab_size)
-        _check_arrays(order, ngram_keys, ngram_counts, ngram_rank, ctx_keys, ctx_totals)
         self.order: int = int(order)
         self.vocab_size: int = int(vocab_size)
         self.min_count: int = int(min_count)
@@ -321,6 +289,33 @@ class NGramModel:
         self._rank: list[np.ndarray] = list(ngram_rank)  # [E_n] uint32 each
         self._ctx_keys: list[np.ndarray] = list(ctx_keys)  # [C_c] int64 each
         self._ctx_totals: list[np.ndarray] = list(ctx_totals)  # [C_c] uint64 each
+        self._check_tables()
+
+    def _check_tables(self) -> None:
+        """The count tables fit ``order``: one 1-D keys/counts/rank triple per n, one keys/totals
+        pair per context length, equal lengths within each."""
+        order = self.order
+        for name, lst, want in (
+            ("ngram_keys", self._keys, order),
+            ("ngram_counts", self._counts, order),
+            ("ngram_rank", self._rank, order),
+            ("ctx_keys", self._ctx_keys, order - 1),
+            ("ctx_totals", self._ctx_totals, order - 1),
+        ):
+            if len(lst) != want:
+                raise ValueError(
+                    f"{name}: expected {want} arrays for order {order}, got {len(lst)}"
+                )
+        for n, (k, c, r) in enumerate(zip(self._keys, self._counts, self._rank, strict=True), 1):
+            if not (k.ndim == c.ndim == r.ndim == 1 and k.shape == c.shape == r.shape):
+                raise ValueError(
+                    f"order {n}: keys/counts/rank lengths differ: {k.shape} {c.shape} {r.shape}"
+                )
+        for c, (k, t) in enumerate(zip(self._ctx_keys, self._ctx_totals, strict=True), 1):
+            if not (k.ndim == t.ndim == 1 and k.shape == t.shape):
+                raise ValueError(
+                    f"context length {c}: keys/totals lengths differ: {k.shape} {t.shape}"
+                )
 
     # ------------------------------------------------------------------ properties / info
 

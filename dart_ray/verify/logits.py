@@ -45,10 +45,9 @@ class NodeLogits:
         self._dense = dense                   # [B, T, V] or None
         self._hidden = hidden                 # [B, T, H] final residual (pre-norm) or None
         self._head = head                     # [n, H] -> [n, V]
-        # [B, T] int64: the row of _rows holding (b, i); -1 = not computed
+        # [B, T] int64: the row of _cat holding (b, i); -1 = not computed
         self._slot: torch.Tensor | None = None
-        self._rows: list[torch.Tensor] = []   # computed logits chunks [n_k, V]
-        self._cat: torch.Tensor | None = None
+        self._cat: torch.Tensor | None = None  # [n, V] the logits computed so far
         self._count = [0]                     # LM-head rows computed (shared with row selections)
         if dense is not None:
             if tuple(dense.shape[:2]) != tuple(shape):

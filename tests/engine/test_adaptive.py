@@ -162,6 +162,18 @@ def test_tree_prefix_is_the_smaller_budget_tree():
         cut.validate()
 
 
+def test_small_tree_knobs_are_the_budget_n_knobs_built_once():
+    """A step that verifies n < budget nodes drafts with budget-n knobs; the few sizes the
+    controller picks reuse one config each instead of building a new one every step."""
+    from dart_ray.engine.engine import _first_nodes_knobs
+
+    d = DecodingConfig(draft_depth=6, tree_budget=40)
+    small = _first_nodes_knobs(d, 4)
+    assert small == d.replace(draft_depth=4, tree_budget=4)
+    assert _first_nodes_knobs(DecodingConfig(draft_depth=6, tree_budget=40), 4) is small
+    assert _first_nodes_knobs(d, 12) == d.replace(tree_budget=12)
+
+
 # ---- exactness with the controller on ------------------------------------------------------------
 
 class FlipController(SpeculationController):
