@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(a: argparse.Namespace):
-    from dart_ray.config import EngineConfig, parse_int_list
+    from dart_ray import EngineConfig
+    from dart_ray.config import parse_int_list
     from tuning.runner import TuneSettings
 
     if a.max_batch_size is not None:

@@ -64,8 +64,8 @@ class TrialJob:
     ``tune.with_parameters``)."""
 
     engine: dict
-    """EngineConfig fields (``decoding`` excluded); ``max_batch_size`` covers every tuned batch
-    size."""
+    """``EngineConfig.to_dict()`` less ``decoding`` (the knobs are the trial's);
+    ``max_batch_size`` covers every tuned batch size."""
     batch_size: int
     """Requests kept in flight (continuous batching)."""
     prompts: tuple[str, ...]
@@ -102,7 +102,7 @@ class TrialJob:
             raise ValueError("load_probe_tokens must be >= 0 and load_threshold in (0, 1)")
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(**self.engine)
+        return EngineConfig.from_dict(self.engine)
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos)

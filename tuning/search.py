@@ -6,7 +6,6 @@ share of what is left)``. Each batch size yields a :class:`BatchResult` for ``tu
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -15,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from dart_ray import EngineConfig
 from tuning import study as studies
 from tuning.objective import TrialJob
 from tuning.start import TuneRun, warm_points
@@ -70,11 +68,6 @@ def _digest(items: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def _engine_fields(cfg: EngineConfig) -> dict:
-    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "decoding"}
-    return d
-
-
 def study_fingerprint(run: TuneRun, n_trial: int, check: tuple, check_tokens: int) -> dict:
     """The setup a study's trials were measured under (resuming with another one is refused): the
     engine's :meth:`~dart_ray.EngineConfig.fingerprint` (less ``max_batch_size``, which follows the
@@ -92,7 +85,8 @@ def study_fingerprint(run: TuneRun, n_trial: int, check: tuple, check_tokens: in
 def _trial_job(run: TuneRun, b: int, n_trial: int, report_every: int, check: tuple,
                check_tokens: int) -> TrialJob:
     s = run.settings
-    return TrialJob(engine=_engine_fields(run.engine_config), batch_size=b,
+    engine = {k: v for k, v in run.engine_config.to_dict().items() if k != "decoding"}
+    return TrialJob(engine=engine, batch_size=b,
                     prompts=tuple(run.tune_prompts[:n_trial]), check_prompts=check,
                     max_new_tokens=s.max_new_tokens, base_decoding=run.space.base.to_dict(),
                     chat=s.chat, report_every=report_every, check_dtype=s.check_dtype,

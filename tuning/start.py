@@ -12,7 +12,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dart_ray import DecodingConfig, DecodingSchedule, Engine, EngineConfig, SamplingParams
+from dart_ray import (
+    DecodingConfig,
+    DecodingSchedule,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    load_profile,
+)
 from tuning.report import short_number
 from tuning.settings import TuneSettings
 from tuning.space import SearchSpace
@@ -94,8 +101,6 @@ def load_warm_start(s: TuneSettings) -> DecodingSchedule | None:
     """The ``--for-this-machine`` profile (given, or the shipped one named like the workload)."""
     if s.warm_start is None:
         return None
-    from dart_ray.profiles import load_profile
-
     return load_profile(s.warm_start or s.workload)
 
 

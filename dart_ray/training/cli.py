@@ -87,7 +87,7 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
 
 
 def train_cli(argv: list[str] | None = None) -> int:
-    from dart_ray.training.trainer import TrainConfig, train
+    from dart_ray.training.trainer import DTYPES, LR_SCHEDULES, TrainConfig, train
 
     p = argparse.ArgumentParser(prog="dart-ray train-drafter",
                                 description="train a drafter: DART, EAGLE-style, Medusa heads or "
@@ -116,7 +116,7 @@ def train_cli(argv: list[str] | None = None) -> int:
                    help="start from a run dir, its checkpoint/ dir, or a drafter dir (e.g. "
                         "dart_ray/artifacts/SmolLM2-135M-Instruct/drafter); needs --lr-schedule. "
                         "(A run restarts from its own --out checkpoint without this.)")
-    p.add_argument("--lr-schedule", choices=("continue", "fresh"), default=None,
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None,
                    help="with --resume: continue = the source's LR plan, optimizer moments and "
                         "data position go on (--lr/--warmup/--epochs/--max-steps not allowed); "
                         "fresh = weights only, a new warmup + cosine plan at --lr over "
@@ -138,7 +138,7 @@ def train_cli(argv: list[str] | None = None) -> int:
                         "(checkpoint, final evaluation, drafter); rerun the same command to "
                         "continue as if uninterrupted")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="teacher dtype and the students' autocast: auto = bf16 where this machine "
                         "runs it natively and fast, else fp32 (students keep fp32 weights either "
                         "way)")

@@ -58,22 +58,9 @@ CHAT_TOPICS = [
 
 
 def _normalise(text: str) -> str:
+    """The key of exact duplicates within the corpus: case and whitespace ignored, punctuation kept
+    (it matters in code; :func:`dart_ray.training.neardup.normalise` drops it to compare prose)."""
     return " ".join(text.split()).lower()
-
-
-def excluded_prompts() -> set[str]:
-    """Normalised evaluation prompts (exact-match set; :func:`build_corpus` also drops
-    near-duplicates of them through :class:`~dart_ray.training.neardup.EvalFilter`)."""
-    out: set[str] = set()
-    try:
-        from dart_ray.bench.prompts import CHAT_SET, humaneval_prompts, load_prompts
-
-        out |= {_normalise(p) for p in humaneval_prompts()}
-        if CHAT_SET.is_file():
-            out |= {_normalise(p) for p in load_prompts(CHAT_SET)}
-    except FileNotFoundError:
-        pass
-    return out
 
 
 def chat_prompts(n: int, seed: int = 0) -> list[str]:

@@ -55,9 +55,11 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
 
     from dart_ray import Engine, EngineConfig, SamplingParams
     from dart_ray.training.corpus import build_corpus
+    from dart_ray.training.neardup import EvalFilter
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    evals = None  # the evaluation prompts (built once: the corpus and the follow-ups check them)
     if corpus is not None:
         rows = corpus
     else:
@@ -66,12 +68,15 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
             from dart_ray.training.selfinstruct import load_prompt_rows
 
             chat_rows = load_prompt_rows(prompts_dir)
-        rows = build_corpus(n_code, n_chat, seed, chat_rows=chat_rows)
+        evals = EvalFilter()
+        rows = build_corpus(n_code, n_chat, seed, chat_rows=chat_rows, eval_filter=evals)
     _check_corpus_manifest(out, rows, shard_size)
     shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)][:max_shards]
     todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.parquet").is_file()]
     if not todo:
         return out
+    if evals is None and any(r.get("multi_turn") for r in rows):
+        evals = EvalFilter()
     if engine is None:
         engine = Engine.from_config(EngineConfig(model=model, method=method, ngram="none",
                                                  dtype=dtype, max_batch_size=batch_size,
@@ -88,14 +93,14 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
             part = [r for r in shard if r["chat"] == chat]
             if not part:
                 continue
-            texts = [r["prompt"] for r in part]
-            comps = engine.generate(texts, params, chat=chat)
+            ids = [engine.encode_prompt(r["prompt"], chat) for r in part]  # tokenised once
+            comps = engine.generate(ids, params)
             follow = (_followups(engine, part, comps, params, seed * 1_000_003 + i,
-                                 followup_temperature)
+                                 followup_temperature, evals)
                       if chat else {})
-            for k, (r, c) in enumerate(zip(part, comps, strict=True)):
+            for k, (r, p_ids, c) in enumerate(zip(part, ids, comps, strict=True)):
                 rec = {"prompt": r["prompt"], "source": r["source"], "chat": chat,
-                       "prompt_ids": engine.encode_prompt(r["prompt"], chat),
+                       "prompt_ids": p_ids,
                        "response_ids": c.token_ids, "split": split_of(r["prompt"], val_frac),
                        "category": r.get("category", ""), "followup": ""}
                 if k in follow:
@@ -113,20 +118,19 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
     return out
 
 
-def _followups(engine, part: list[dict], comps, params, seed: int,
-               temperature: float) -> dict[int, dict]:
+def _followups(engine, part: list[dict], comps, params, seed: int, temperature: float,
+               evals) -> dict[int, dict]:
     """Second turns of the multi-turn rows of ``part`` (answered in ``comps``; the follow-up is
-    sampled at ``temperature``, answered with ``params`` like turn 1): index in ``part`` -> the row
-    fields that change (followup, prompt_ids of the conversation, response_ids)."""
+    sampled at ``temperature``, answered with ``params`` like turn 1; a follow-up is a new user
+    prompt, so it too must not be in ``evals``, the :class:`~dart_ray.training.neardup.EvalFilter`):
+    index in ``part`` -> the row fields that change (followup, prompt_ids of the conversation,
+    response_ids)."""
     from dart_ray import SamplingParams
-    from dart_ray.training.neardup import EvalFilter
     from dart_ray.training.selfinstruct import clean_request, followup_meta_prompt, refers_back
 
     idx = [k for k, r in enumerate(part) if r.get("multi_turn") and comps[k].text.strip()]
     if not idx:
         return {}
-    # a follow-up is a new user prompt: it too must not be an evaluation prompt
-    evals = EvalFilter()
     metas = [followup_meta_prompt(part[k]["prompt"], comps[k].text) for k in idx]
     sp = [SamplingParams(max_new_tokens=64, temperature=temperature, top_p=0.95, seed=seed + k,
                          stop=("\n",))
@@ -142,10 +146,11 @@ def _followups(engine, part: list[dict], comps, params, seed: int,
     if not convs:
         return {}
     keys = sorted(convs)
-    answers = engine.generate([convs[k] for k in keys], params)
-    return {k: {"followup": convs[k][2]["content"],
-                "prompt_ids": engine.encode_prompt(convs[k], True), "response_ids": a.token_ids}
-            for k, a in zip(keys, answers, strict=True)}
+    ids = [engine.encode_prompt(convs[k], True) for k in keys]  # the chat template, once
+    answers = engine.generate(ids, params)
+    return {k: {"followup": convs[k][2]["content"], "prompt_ids": p_ids,
+                "response_ids": a.token_ids}
+            for k, p_ids, a in zip(keys, ids, answers, strict=True)}
 
 
 def _check_corpus_manifest(out: Path, rows: list[dict], shard_size: int) -> None:

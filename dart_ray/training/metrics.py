@@ -29,13 +29,20 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from dart_ray.training.objectives import get_objective, pad_batch, student_autocast, teacher_pass
+from dart_ray.training.objectives import (
+    get_objective,
+    pad_batch,
+    select_taps,
+    student_autocast,
+    teacher_pass,
+)
 
 if TYPE_CHECKING:
     from dart_ray.training.trainer import TrainConfig
@@ -91,58 +98,73 @@ def chain_len_indep(top1: list[float], chain_levels: int | None = None) -> float
 
 
 @torch.no_grad()
-def evaluate(model, target, cache, seqs: list, cfg: TrainConfig, t2d: torch.Tensor | None,
-             dtype: str) -> LevelCounts:
-    """Counts of per-level top-1/top-5 hits vs the target's argmax and of leading correct levels on
-    ``seqs`` (``(ids, prompt_len)`` pairs), batched like training, the student's forward under the
+def evaluate(students: Sequence[tuple[torch.nn.Module, TrainConfig]], target, cache, seqs: list,
+             t2d: torch.Tensor | None, dtype: str) -> list[LevelCounts]:
+    """Per student ``(model, cfg)``: counts of per-level top-1/top-5 hits vs the target's argmax
+    and of leading correct levels on ``seqs`` (``(ids, prompt_len)`` pairs), batched like training
+    (one teacher pass per batch serves every student, as in the loop; the batching and the
+    teacher's top-K are the run's, the same for every student), each student's forward under the
     run's ``dtype`` (:func:`~dart_ray.training.objectives.student_autocast`)."""
-    obj = get_objective(cfg.arch)
-    model.eval()
-    d = obj.levels(cfg)
-    correct = torch.zeros(d)
-    top5 = torch.zeros(d)
-    total = torch.zeros(d)
-    chain = 0.0
-    n_prefix = 0
-    for i in range(0, len(seqs), cfg.seqs_per_step):
-        tokens, lens = pad_batch([s[0][:cfg.max_len] for s in seqs[i:i + cfg.seqs_per_step]])
-        taps, top_id, _ = teacher_pass(target, cache, tokens, lens, obj.taps(model),
-                                       cfg.teacher_topk)
-        with student_autocast(dtype):
-            logits = obj.forward(model, target, taps, tokens)                 # [B, J, d, Vd]
+    objs = [get_objective(cfg.arch) for _, cfg in students]
+    wants = [obj.taps(model) for obj, (model, _) in zip(objs, students, strict=True)]
+    order = tuple(sorted({t for w in wants for t in w}))
+    run = students[0][1]
+    counts = [LevelCounts.zeros(obj.levels(cfg), obj.chain_levels(cfg))
+              for obj, (_, cfg) in zip(objs, students, strict=True)]
+    for model, _ in students:
+        model.eval()
+    for i in range(0, len(seqs), run.seqs_per_step):
+        tokens, lens = pad_batch([s[0][:run.max_len] for s in seqs[i:i + run.seqs_per_step]])
+        taps, top_id, _ = teacher_pass(target, cache, tokens, lens, order, run.teacher_topk)
         truth = top_id[..., 0]                                                # [B, L] target argmax
-        J = tokens.shape[1] - 1
-        pos = torch.arange(J)[:, None] + torch.arange(1, d + 1)[None, :]     # [J, d]
-        idx = pos.clamp(max=tokens.shape[1] - 1)
-        valid = pos[None] < torch.tensor(lens)[:, None, None]                 # [B, J, d]
-        tgt = truth[:, idx]                                                   # [B, J, d]
-        pred5 = logits.topk(5, dim=-1).indices                                # [B, J, d, 5]
-        if t2d is not None:
-            pred5 = model.d2t[pred5]
-        ok1 = (pred5[..., 0] == tgt) & valid                                  # [B, J, d]
-        ok5 = (pred5 == tgt[..., None]).any(-1) & valid
-        correct += ok1.sum((0, 1)).float()
-        top5 += ok5.sum((0, 1)).float()
-        total += valid.sum((0, 1)).float()
-        lead, full = obj.leading_correct(ok1, valid, lens, cfg)               # [B, J], [B, J]
-        chain += float(lead[full].sum())
-        n_prefix += int(full.sum())
-    model.train()
-    return LevelCounts(correct.tolist(), top5.tolist(), total.tolist(), chain, n_prefix,
-                       chain_levels=obj.chain_levels(cfg))
+        for k, (obj, want, (model, cfg)) in enumerate(zip(objs, wants, students, strict=True)):
+            counts[k] += _score(obj, model, cfg, target, select_taps(taps, order, want), tokens,
+                                lens, truth, t2d, dtype)
+    for model, _ in students:
+        model.train()
+    return counts
 
 
-def evaluate_domains(model, target, cache, val: dict[str, list], cfg: TrainConfig,
-                     t2d: torch.Tensor | None, dtype: str) -> dict[str, dict]:
-    """Held-out metrics per domain (``val``: domain -> sequences) and pooled (``all``)."""
-    counts = {dom: evaluate(model, target, cache, seqs, cfg, t2d, dtype)
+def _score(obj, model, cfg: TrainConfig, target, taps: torch.Tensor | None,
+           tokens: torch.Tensor, lens: list[int], truth: torch.Tensor, t2d: torch.Tensor | None,
+           dtype: str) -> LevelCounts:
+    """One student's counts on one batch (``truth`` [B, L]: the target's argmax)."""
+    d = obj.levels(cfg)
+    with student_autocast(dtype):
+        logits = obj.forward(model, target, taps, tokens)                   # [B, J, d, Vd]
+    J = tokens.shape[1] - 1
+    pos = torch.arange(J)[:, None] + torch.arange(1, d + 1)[None, :]         # [J, d]
+    idx = pos.clamp(max=tokens.shape[1] - 1)
+    valid = pos[None] < torch.tensor(lens)[:, None, None]                     # [B, J, d]
+    tgt = truth[:, idx]                                                       # [B, J, d]
+    pred5 = logits.topk(5, dim=-1).indices                                    # [B, J, d, 5]
+    if t2d is not None:
+        pred5 = model.d2t[pred5]
+    ok1 = (pred5[..., 0] == tgt) & valid                                      # [B, J, d]
+    ok5 = (pred5 == tgt[..., None]).any(-1) & valid
+    lead, full = obj.leading_correct(ok1, valid, lens, cfg)                   # [B, J], [B, J]
+    return LevelCounts(ok1.sum((0, 1)).float().tolist(), ok5.sum((0, 1)).float().tolist(),
+                       valid.sum((0, 1)).float().tolist(), float(lead[full].sum()),
+                       int(full.sum()), chain_levels=obj.chain_levels(cfg))
+
+
+def evaluate_domains(students: Sequence[tuple[torch.nn.Module, TrainConfig]], target, cache,
+                     val: dict[str, list], t2d: torch.Tensor | None,
+                     dtype: str) -> list[dict[str, dict]]:
+    """Per student ``(model, cfg)``: held-out metrics per domain (``val``: domain -> sequences)
+    and pooled (``all``)."""
+    by_dom = {dom: evaluate(students, target, cache, seqs, t2d, dtype)
               for dom, seqs in val.items() if seqs}
-    out = {dom: c.summary() for dom, c in counts.items()}
-    if counts:
-        pooled = None
-        for c in counts.values():
-            pooled = c if pooled is None else pooled + c
-        out["all"] = pooled.summary()
+    out = []
+    for k in range(len(students)):
+        counts = {dom: c[k] for dom, c in by_dom.items()}
+        ev = {dom: c.summary() for dom, c in counts.items()}
+        if counts:
+            pooled = None
+            for c in counts.values():
+                pooled = c if pooled is None else pooled + c
+            ev["all"] = pooled.summary()
+        out.append(ev)
     return out
 
 

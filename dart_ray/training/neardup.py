@@ -43,7 +43,7 @@ def normalise(text: str) -> str:
 
 def shingles(text: str, n: int = SHINGLE_WORDS) -> frozenset[str]:
     """Word n-grams of the normalised text (one shingle for texts shorter than n words)."""
-    words = _WORD.findall(text.lower())
+    words = normalise(text).split()
     if len(words) < n:
         return frozenset([" ".join(words)]) if words else frozenset()
     return frozenset(" ".join(words[i:i + n]) for i in range(len(words) - n + 1))
@@ -86,22 +86,6 @@ class NearDupIndex:
 
     def _bands(self, sig: np.ndarray) -> list[bytes]:
         return [sig[i * self.rows:(i + 1) * self.rows].tobytes() for i in range(self.bands)]
-
-    def nearest(self, text: str) -> tuple[int, float]:
-        """(index of the most similar kept text, its Jaccard), or (-1, 0.0); only LSH candidates are
-        scored."""
-        sh = shingles(text, self.n)
-        if not sh:
-            return -1, 0.0
-        cands: set[int] = set()
-        for band, key in enumerate(self._bands(self._signature(sh))):
-            cands.update(self._buckets[band].get(key, ()))
-        best, best_j = -1, 0.0
-        for c in sorted(cands):
-            j = jaccard(sh, self._sets[c])
-            if j > best_j:
-                best, best_j = c, j
-        return best, best_j
 
     def add(self, text: str) -> bool:
         """Keep ``text`` unless it is empty or a near-duplicate of a kept text; True if kept."""
@@ -166,7 +150,9 @@ class EvalFilter:
             prompts = [p for ps in evaluation_prompts().values() for p in ps]
         self.threshold, self.n, self.min_shingles = threshold, n, min_shingles
         self.prompts = list(prompts)
-        self._norm = {normalise(p) for p in self.prompts}
+        self._norm: dict[str, int] = {}
+        for i, p in enumerate(self.prompts):
+            self._norm.setdefault(normalise(p), i)
         self._sets = [shingles(p, n) for p in self.prompts]
         self._index: dict[str, list[int]] = defaultdict(list)
         for i, sh in enumerate(self._sets):
@@ -180,7 +166,7 @@ class EvalFilter:
         """(index of the evaluation prompt, why) when ``text`` is too close to one, else None."""
         norm = normalise(text)
         if norm in self._norm:
-            return next(i for i, p in enumerate(self.prompts) if normalise(p) == norm), "exact"
+            return self._norm[norm], "exact"
         sh = shingles(text, self.n)
         if not sh:
             return None

@@ -61,6 +61,7 @@ __all__ = [
     "objective_names",
     "pad_batch",
     "register_objective",
+    "select_taps",
     "sps_train_forward",
     "student_autocast",
     "teacher_pass",
@@ -294,6 +295,20 @@ def teacher_pass(target, cache, batch: torch.Tensor, lens: list[int], taps: tupl
     logp = torch.log_softmax(out.logits.float(), dim=-1)          # [B, L, V]
     top_lp, top_id = logp.topk(topk, dim=-1)                      # [B, L, K]
     return (out.taps.float() if out.taps is not None else None), top_id, top_lp
+
+
+def select_taps(taps: torch.Tensor | None, order: tuple[int, ...],
+                want: tuple[int, ...]) -> torch.Tensor | None:
+    """A student's taps [B, L, len(want)*H] from a teacher pass over the layers ``order`` (its
+    ``taps`` [B, L, len(order)*H]): the columns of the layers ``want``, in that order; None for
+    none; the tensor itself when ``want`` is ``order``."""
+    if not want:
+        return None
+    if tuple(want) == tuple(order):
+        return taps
+    H = taps.shape[-1] // len(order)
+    return torch.cat([taps[..., order.index(t) * H:(order.index(t) + 1) * H] for t in want],
+                     dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------

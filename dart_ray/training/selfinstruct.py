@@ -36,6 +36,7 @@ import json
 import os
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -414,14 +415,15 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
     write_text_atomic(json.dumps(params, indent=2), plan_file)
     filters = PromptFilters.create(threshold, eval_prompts)
     done = sorted(out.glob("prompts-*.jsonl"))
-    kept = 0
     if any(f.name != f"prompts-{i:05d}.jsonl" for i, f in enumerate(done)):
         raise ValueError(f"{out}: prompt shards are not numbered 0..{len(done) - 1}; use a new "
                          "--out")
-    if done:  # rebuild the filters from what is on disk: a restart continues where it stopped
-        for r in load_prompt_rows(out):
-            filters.dedup.add(r["prompt"])
-            kept += 1
+    # rebuild the filters from what is on disk: a restart continues where it stopped
+    earlier = load_prompt_rows(out) if done else []
+    for r in earlier:
+        filters.dedup.add(r["prompt"])
+    kept = len(earlier)
+    by_category = Counter(r["category"] for r in earlier)
     shard = len(done)
     if kept >= n or (max_shards is not None and shard >= max_shards):
         return out
@@ -449,6 +451,7 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
                              "multi_turn": s.multi_turn, "source": "chat"})
         _write_jsonl_atomic(rows, out / f"prompts-{shard:05d}.jsonl")
         kept += len(rows)
+        by_category.update(r["category"] for r in rows)
         shard += 1
         if bar is not None:
             bar.update(len(rows))
@@ -458,13 +461,7 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
         bar.close()
     stats = {"kept": kept, "shards": shard, "this_run": filters.counts,
              "evaluation_prompts": len(filters.eval_filter),
-             "by_category": _count(load_prompt_rows(out), "category")}
+             "by_category": dict(by_category)}
     write_text_atomic(json.dumps(stats, indent=2), out / "stats.json")
     return out
 
-
-def _count(rows: list[dict], key: str) -> dict:
-    out: dict = {}
-    for r in rows:
-        out[r[key]] = out.get(r[key], 0) + 1
-    return out

@@ -14,7 +14,8 @@ update      per student, through its Objective (objectives.py): level targets fr
             top-K, level logits [B, L-1, d, Vd] (bf16 autocast when the run's dtype is bf16), the
             gamma-weighted forward KL, clipped gradients, one AdamW step at the LR plan's rate
 evaluate    every eval_every steps and at the end: held-out per-level top-1/top-5 and chain_tau per
-            domain (metrics.py), appended to metrics.jsonl
+            domain (metrics.py; one teacher pass per held-out batch serves every student),
+            appended to metrics.jsonl
 checkpoint  every ckpt_every steps, at the plan's end, at the time budget and on SIGINT/SIGTERM:
             everything a continued run needs to equal the uninterrupted one (checkpoint.py)
 ```
@@ -61,6 +62,7 @@ from dart_ray.training.objectives import (
     get_objective,
     objective_names,
     pad_batch,
+    select_taps,
     student_autocast,
     teacher_pass,
 )
@@ -292,10 +294,11 @@ class _Student:
         self.opt.step()
         self.step += 1
         self.wall_s += time.perf_counter() - t0
-        self.history["loss"].append((self.step, float(loss.detach()), per_level.tolist()))
-        self.log.append({"kind": "train", "step": self.step, "loss": float(loss.detach()), "lr": lr,
-                         "per_level_loss": per_level.tolist(), "wall_s": round(self.wall_s, 3)})
-        return float(loss.detach())
+        value, levels = float(loss.detach()), per_level.tolist()
+        self.history["loss"].append((self.step, value, levels))
+        self.log.append({"kind": "train", "step": self.step, "loss": value, "lr": lr,
+                         "per_level_loss": levels, "wall_s": round(self.wall_s, 3)})
+        return value
 
     def record_eval(self, evals: dict[str, dict], held_out: bool) -> None:
         self.history["eval"].append((self.step, evals))
@@ -320,15 +323,6 @@ def _comparable_config(model_cfg) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()
             if k in ("arch", "depth", "max_depth", "draft_vocab", "tap_layers", "num_layers",
                      "init_layers", "target_id", "tie_head")}
-
-
-def _select_taps(all_taps: torch.Tensor | None, order: tuple[int, ...], want: tuple[int, ...],
-                 H: int):
-    """Columns of the teacher's concatenated taps (in ``order``) for the layers ``want``."""
-    if not want:
-        return None
-    return torch.cat([all_taps[..., order.index(t) * H:(order.index(t) + 1) * H] for t in want],
-                     dim=-1)
 
 
 class _StopRequest:
@@ -363,6 +357,16 @@ class _StopRequest:
 
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+def _evaluate(students: list[_Student], target, cache, val: dict[str, list],
+              t2d: torch.Tensor | None, dtype: str, held_out: bool) -> list[dict[str, dict]]:
+    """Evaluate ``students`` on the held-out sequences (one teacher pass per batch for all of them)
+    and record it in each one's history and log; returns each one's metrics by domain."""
+    evs = evaluate_domains([(st.model, st.cfg) for st in students], target, cache, val, t2d, dtype)
+    for st, ev in zip(students, evs, strict=True):
+        st.record_eval(ev, held_out)
+    return evs
 
 
 def _val_by_domain(train_rows, val_rows, n: int) -> tuple[dict[str, list], bool]:
@@ -517,8 +521,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             losses = {}
             for st in students:
                 targets = st.objective.targets(top_id, top_lp, t2d, st.cfg, lens)
-                st_taps = _select_taps(taps, tap_order, st.taps, args.hidden_size)
-                losses[st.cfg.arch] = st.update(target, st_taps, tokens, targets)
+                losses[st.cfg.arch] = st.update(target, select_taps(taps, tap_order, st.taps),
+                                                tokens, targets)
                 st.wall_s += teacher_s
             step += 1
             data_pos += 1
@@ -529,15 +533,15 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
                                 tok_s=f"{tokens_seen / (time.perf_counter() - t_start):.0f}")
             out_of_time = (bool(cfg.time_budget_s)
                            and time.perf_counter() - t_start >= cfg.time_budget_s)
-            for st in students:
-                if step % cfg.eval_every == 0 or step == end:
-                    ev = evaluate_domains(st.model, target, cache, val, st.cfg, t2d, dtype.dtype)
-                    st.record_eval(ev, held_out)
+            if step % cfg.eval_every == 0 or step == end:
+                for st, ev in zip(students, _evaluate(students, target, cache, val, t2d,
+                                                      dtype.dtype, held_out), strict=True):
                     print(f"\n{st.cfg.arch} step {step}: " + "; ".join(
                         f"{dom} top1 {[round(a, 3) for a in e['top1'][:4]]} chain_tau "
                         f"{e['chain_tau']:.2f}"
                         for dom, e in ev.items()))
-                if step % cfg.ckpt_every == 0 or step >= end or out_of_time or stop.requested:
+            if step % cfg.ckpt_every == 0 or step >= end or out_of_time or stop.requested:
+                for st in students:
                     st.save_checkpoint(data_pos)
             if out_of_time or stop.requested:
                 stop_reason = "time budget" if out_of_time else "signal"
@@ -548,11 +552,13 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         bar.close()
     summaries = {}
     data_info = describe_data(cfg.data)
-    for st in students:
-        if not st.history["eval"] or st.history["eval"][-1][0] != step:
-            st.record_eval(evaluate_domains(st.model, target, cache, val, st.cfg, t2d, dtype.dtype),
-                           held_out)
+    unevaluated = [st for st in students
+                   if not st.history["eval"] or st.history["eval"][-1][0] != step]
+    if unevaluated:
+        _evaluate(unevaluated, target, cache, val, t2d, dtype.dtype, held_out)
+        for st in unevaluated:
             st.save_checkpoint(data_pos)
+    for st in students:
         final_ev = st.history["eval"][-1][1]
         save_dir_atomic(lambda d, m=st.model: _save_bf16(m, d), st.out / "drafter")
         summary = {"arch": st.cfg.arch, "steps": step, "plan_end": end, "stopped": stop_reason,

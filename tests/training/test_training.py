@@ -77,16 +77,28 @@ def test_level_targets_and_loss_by_hand():
     torch.testing.assert_close(per_level, expect, atol=1e-4, rtol=1e-4)
 
 
+def _code_corpus(name: str, doc: str, n: int) -> list[dict]:
+    """``n`` code prompts: ``def <name><i>(x):`` and the docstring ``Return x <doc> <i>.``"""
+    return [{"prompt": f"def {name}{i}(x):\n    \"\"\"Return x {doc} {i}.\"\"\"\n",
+             "source": "code", "chat": False}
+            for i in range(n)]
+
+
+def _answered(out, tiny_dirs, corpus: list[dict], **kw):
+    """``corpus`` answered by the tiny target (fp32, plain decoding) into ``out``."""
+    from dart_ray.training.gen_data import generate_data
+
+    kw = {"max_new_tokens": 12, "batch_size": 4, **kw}
+    return generate_data(out, model=str(tiny_dirs["llama"]), dtype="fp32", method="none",
+                         corpus=corpus, progress=False, **kw)
+
+
 def test_tiny_end_to_end_with_resume(tmp_path, tiny_dirs):
     from dart_ray.training.gen_data import generate_data
     from dart_ray.training.trainer import TrainConfig, train
 
-    corpus = [{"prompt": f"def f{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n", "source": "code",
-               "chat": False}
-              for i in range(12)]
-    data = generate_data(tmp_path / "data", model=str(tiny_dirs["llama"]), dtype="fp32",
-                         method="none", max_new_tokens=12, batch_size=4, shard_size=6,
-                         corpus=corpus, progress=False)
+    corpus = _code_corpus("f", "plus", 12)
+    data = _answered(tmp_path / "data", tiny_dirs, corpus, shard_size=6)
     assert len(list(data.glob("shard-*.parquet"))) == 2
     # resumable: a second call finds every shard and generates nothing
     generate_data(tmp_path / "data", model="/nonexistent", corpus=corpus, shard_size=6,
@@ -131,15 +143,9 @@ def test_tiny_end_to_end_with_resume(tmp_path, tiny_dirs):
 def test_tiny_training_every_arch(tmp_path, tiny_dirs, arch):
     """Each baseline architecture trains through the same pipeline, its loss goes down on a
     repeated batch, and the saved artifact loads as that architecture."""
-    from dart_ray.training.gen_data import generate_data
     from dart_ray.training.trainer import TrainConfig, train
 
-    corpus = [{"prompt": f"def g{i}(x):\n    \"\"\"Return x times {i}.\"\"\"\n", "source": "code",
-               "chat": False}
-              for i in range(8)]
-    data = generate_data(tmp_path / "data", model=str(tiny_dirs["llama"]), dtype="fp32",
-                         method="none", max_new_tokens=12, batch_size=4, shard_size=8,
-                         corpus=corpus, progress=False)
+    data = _answered(tmp_path / "data", tiny_dirs, _code_corpus("g", "times", 8), shard_size=8)
     cfg = TrainConfig(data=str(data), out=str(tmp_path / arch), model=str(tiny_dirs["llama"]),
                       arch=arch, depth=3, max_steps=12, seqs_per_step=4, max_len=48,
                       draft_vocab=256, eval_every=100, ckpt_every=100, eval_seqs=2, lr=3e-3,
@@ -265,15 +271,10 @@ def test_medusa_and_sps_train_forward_match_inference(tiny):
 def test_joint_training_shares_batches_and_resumes(tmp_path, tiny_dirs):
     """Several archs in one run: one teacher pass per batch, equal steps, per-arch outputs,
     resume."""
-    from dart_ray.training.gen_data import generate_data
     from dart_ray.training.trainer import TrainConfig, train
 
-    corpus = [{"prompt": f"def h{i}(x):\n    \"\"\"Return x minus {i}.\"\"\"\n", "source": "code",
-               "chat": False}
-              for i in range(8)]
-    data = generate_data(tmp_path / "data", model=str(tiny_dirs["llama"]), dtype="fp32",
-                         method="none", max_new_tokens=10, batch_size=4, shard_size=8,
-                         corpus=corpus, progress=False)
+    data = _answered(tmp_path / "data", tiny_dirs, _code_corpus("h", "minus", 8),
+                     max_new_tokens=10, shard_size=8)
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), model=str(tiny_dirs["llama"]),
                       arch="dart", joint=("eagle:2", "medusa", "sps:4"), depth=3, max_steps=3,
                       seqs_per_step=2, max_len=40, draft_vocab=256, eval_every=100, ckpt_every=1,
@@ -331,17 +332,12 @@ def test_batch_stream_resume_replays_across_epochs():
 @pytest.fixture(scope="module")
 def tiny_mixed_data(tmp_path_factory, tiny_dirs):
     """Code and chat rows answered by the tiny target, half of them held out."""
-    from dart_ray.training.gen_data import generate_data
-
-    corpus = [{"prompt": f"def k{i}(x):\n    \"\"\"Return x to the power {i}.\"\"\"\n",
-               "source": "code", "chat": False}
-              for i in range(10)]
+    corpus = _code_corpus("k", "to the power", 10)
     corpus += [{"prompt": f"Give me {i} tips for keeping a small garden tidy.", "source": "chat",
                 "chat": True}
                for i in range(10)]
-    return generate_data(tmp_path_factory.mktemp("mixed") / "data", model=str(tiny_dirs["llama"]),
-                         dtype="fp32", method="none", max_new_tokens=10, batch_size=4,
-                         shard_size=10, corpus=corpus, val_frac=0.4, progress=False)
+    return _answered(tmp_path_factory.mktemp("mixed") / "data", tiny_dirs, corpus,
+                     max_new_tokens=10, shard_size=10, val_frac=0.4)
 
 
 def _base_cfg(data, tiny_dirs, **kw):
@@ -551,3 +547,40 @@ def test_chain_length_definitions_by_hand():
     assert both["top1"] == [0.5, 0.25] and both["top5"] == [0.75, 0.5]
     assert both["chain_tau"] == 1.75 and both["chain_len_indep"] == 1 + 0.5 + 0.125
     assert chain_len_indep([0.5], chain_levels=3) == 1 + 0.5 + 0.25 + 0.125
+
+
+def test_one_teacher_pass_per_held_out_batch_serves_every_student(tiny, monkeypatch):
+    """Evaluation shares the teacher pass like training does: joint students are scored on one
+    teacher pass per batch, with the same numbers as each evaluated alone."""
+    import dart_ray.training.metrics as metrics
+    from dart_ray.training.objectives import get_objective
+    from dart_ray.training.trainer import TrainConfig
+
+    d2t = torch.arange(256) * 3
+    students = []
+    for arch, depth in (("dart", 3), ("medusa", 2), ("sps", 2)):
+        cfg = TrainConfig(data="d", out="o", arch=arch, depth=depth, seqs_per_step=2, max_len=24,
+                          draft_vocab=256, teacher_topk=4)
+        students.append((get_objective(arch).build(cfg, tiny, d2t, new=True), cfg))
+    g = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(0, tiny.args.vocab_size, (n,), generator=g).tolist(), 2)
+            for n in (20, 9, 14, 24, 6)]
+    val = {"chat": seqs[:2], "code": seqs[2:]}
+    cache = tiny.model.new_cache(2, 64)
+    t2d = torch.full((tiny.args.vocab_size,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(256)
+    passes = []
+    real = metrics.teacher_pass
+
+    def counting(*a, **kw):
+        passes.append(a[4])                                           # the tapped layers
+        return real(*a, **kw)
+
+    monkeypatch.setattr(metrics, "teacher_pass", counting)
+    joint = metrics.evaluate_domains(students, tiny.model, cache, val, t2d, "fp32")
+    assert len(passes) == 1 + 2                                       # chat: 1 batch, code: 2
+    assert set(passes[0]) == {t for m, _ in students[:2] for t in m.cfg.tap_layers}
+    alone = [metrics.evaluate_domains([s], tiny.model, cache, val, t2d, "fp32")[0]
+             for s in students]
+    assert joint == alone
+    assert set(joint[0]) == {"chat", "code", "all"} and len(joint[2]["all"]["top1"]) == 1
