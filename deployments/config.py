@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dart_ray import EngineConfig
+from deployments.placement import STRATEGIES
 
 
 def _fail(msg: str) -> None:
@@ -138,8 +139,8 @@ class ServeArgs:
                                                        or self.max_replicas_per_node < 1):
             _fail(f"max_replicas_per_node must be an int >= 1 or null, "
                   f"got {self.max_replicas_per_node!r}")
-        if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
-            _fail(f"placement_strategy must be STRICT_PACK, PACK, SPREAD or STRICT_SPREAD, "
+        if self.placement_strategy not in STRATEGIES:
+            _fail(f"placement_strategy must be one of {list(STRATEGIES)}, "
                   f"got {self.placement_strategy!r}")
         for name in ("allow_speculative_override", "ingress_on_head"):
             if not isinstance(getattr(self, name), bool):

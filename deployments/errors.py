@@ -60,6 +60,16 @@ def _retry_after(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, round(seconds)))}
 
 
+def _queue_full(e: BaseException, retry_after_s: float) -> APIError:
+    return APIError(503, f"server overloaded: {e}", "server_error", None, "queue_full",
+                    _retry_after(retry_after_s))
+
+
+def _unavailable(message: str) -> APIError:
+    return APIError(503, f"engine unavailable: {message}", "server_error", None,
+                    "engine_unavailable")
+
+
 def engine_error(e: BaseException, retry_after_s: float = 1.0) -> APIError:
     """The OpenAI-style error for ``e`` (see the module table). ``retry_after_s`` goes into the
     ``Retry-After`` header of retryable 503s that do not carry their own (a lost replica)."""
@@ -68,10 +78,9 @@ def engine_error(e: BaseException, retry_after_s: float = 1.0) -> APIError:
     if isinstance(e, PromptTooLongError):
         return APIError(400, str(e), "invalid_request_error", "prompt", "context_length_exceeded")
     if isinstance(e, QueueFullError):
-        return APIError(503, f"server overloaded: {e}", "server_error", None, "queue_full",
-                        _retry_after(e.retry_after_s))
+        return _queue_full(e, e.retry_after_s)
     if isinstance(e, EngineDeadError):
-        return APIError(503, f"engine unavailable: {e}", "server_error", None, "engine_unavailable")
+        return _unavailable(str(e))
     if isinstance(e, EngineStepError):
         return APIError(500, str(e), "server_error", None, "engine_error")
     if is_replica_lost(e):
@@ -94,11 +103,9 @@ def _serve_unavailable(e: BaseException, retry_after_s: float) -> APIError | Non
     except ImportError:
         return None
     if isinstance(e, BackPressureError):
-        return APIError(503, f"server overloaded: {e}", "server_error", None, "queue_full",
-                        _retry_after(e.retry_after_s or retry_after_s))
+        return _queue_full(e, e.retry_after_s or retry_after_s)
     if isinstance(e, DeploymentUnavailableError):
-        return APIError(503, f"engine unavailable: {e.message}", "server_error", None,
-                        "engine_unavailable")
+        return _unavailable(e.message)
     return None
 
 

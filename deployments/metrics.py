@@ -4,7 +4,7 @@ Every vLLM (v1 engine) metric that applies to this server is exported under its 
 vLLM dashboards and alerts work unchanged; ``dart_ray:`` names carry what vLLM has no name for
 (tree sizes, errors by status, aborted requests) and the names earlier versions exported.
 
-Two exposition formats, negotiated by ``Accept`` (:func:`content_type`): OpenMetrics 1.0 (what
+Two exposition formats, negotiated by ``Accept`` (:func:`wants_openmetrics`): OpenMetrics 1.0 (what
 Prometheus asks for first), where ``# TYPE``/``# HELP`` name a counter family without ``_total`` and
 its sample carries the suffix; and the classic text format 0.0.4 (curl, older scrapers), where those
 lines name the ``_total`` sample as that format's parsers expect (``prometheus_client`` writes the
@@ -103,6 +103,11 @@ def _labels(d: dict) -> str:
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in d.items()) + "}"
 
 
+def _replica_labels(replica: str | None, node: str | None) -> dict[str, str]:
+    """``replica`` / ``node`` labels, those that are known."""
+    return {k: v for k, v in (("replica", replica), ("node", node)) if v is not None}
+
+
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
     """vLLM's 1-2-5 buckets up to ``max_model_len`` (request token-count histograms)."""
     out, mag = [], 1
@@ -164,16 +169,13 @@ def _spec_totals(engine_stats: dict, num_positions: int) -> dict:
 
 
 class ServerMetrics:
-    """Edge-side counters and histograms of one replica (updated from its event loop; the
-    histograms are locked because ``observe_iteration`` runs on the engine thread)."""
+    """Edge-side counters and histograms of one engine replica (updated from its event loop; the
+    histograms are locked because ``observe_iteration`` runs on the engine thread). Errors are
+    not counted here: the ingress answers HTTP and counts them (:class:`IngressMetrics`)."""
 
     def __init__(self, model_name: str, replica: str | None = None, node: str | None = None,
                  max_model_len: int = 2048) -> None:
-        self.labels = {"model_name": model_name}
-        if replica is not None:
-            self.labels["replica"] = replica
-        if node is not None:
-            self.labels["node"] = node
+        self.labels = {"model_name": model_name, **_replica_labels(replica, node)}
         tok = token_buckets(max_model_len)
         # vLLM histograms
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -193,9 +195,6 @@ class ServerMetrics:
         # dart_ray histograms (earlier names; TTFT is the vLLM histogram under its earlier name too)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.requests: dict[str, int] = {r: 0 for r in FINISH_REASONS}   # finish reason -> count
-        self.errors: dict[str, int] = {}        # HTTP status -> count
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
         self.aborted = 0                        # clients that went away mid-request
 
     # ---- recording ---------------------------------------------------------------------------
@@ -221,8 +220,6 @@ class ServerMetrics:
         self.requests[reason] = self.requests.get(reason, 0) + 1
         self.latency.observe(latency_s)
         self.e2e.observe(latency_s)
-        self.prompt_tokens += num_prompt
-        self.completion_tokens += num_completion
         self.prompt_len.observe(num_prompt)
         self.generation_len.observe(num_completion)
         self.n_param.observe(1)
@@ -240,9 +237,6 @@ class ServerMetrics:
             self.decode_time.observe(decode)
             if num_completion > 1:
                 self.tpot.observe(decode / (num_completion - 1))
-
-    def error(self, status: int) -> None:
-        self.errors[str(status)] = self.errors.get(str(status), 0) + 1
 
     # ---- exposition ------------------------------------------------------------------------------
     def render(self, engine_stats: dict, queue_depth: int, num_running: int, num_positions: int,
@@ -355,8 +349,7 @@ class ServerMetrics:
         family("dart_ray:request_success", "counter", "Finished requests by finish reason.",
                [({**L, "finished_reason": k}, v) for k, v in sorted(self.requests.items())])
         family("dart_ray:request_errors", "counter", "Requests answered with an error, by status.",
-               [({**L, "status": k}, v) for k, v in sorted(self.errors.items())]
-               + [({**IL, "status": k}, v) for k, v in ingress_errors])
+               [({**IL, "status": k}, v) for k, v in ingress_errors])
         family("dart_ray:request_retries", "counter",
                "Requests resubmitted to another engine replica after theirs was lost "
                "before any output.",
@@ -379,11 +372,7 @@ class IngressMetrics:
     ingress=snapshot())``), under the ingress replica's own ``replica`` / ``node`` labels."""
 
     def __init__(self, replica: str | None = None, node: str | None = None) -> None:
-        self.labels: dict[str, str] = {}
-        if replica is not None:
-            self.labels["replica"] = replica
-        if node is not None:
-            self.labels["node"] = node
+        self.labels = _replica_labels(replica, node)
         self.errors: dict[str, int] = {}          # HTTP status -> count
         self.retries = 0
 

@@ -18,9 +18,6 @@ Errors of every kind map to OpenAI-style bodies in :mod:`deployments.errors`. Be
 stream is held by the ingress and not by the engine replica, the loss of an engine replica (its
 process or its node) no longer cuts a client's stream silently: a request that had no output yet
 is resubmitted to another replica, one that had is ended with a retryable ``replica_lost`` error.
-
-This module keeps the names other code imports from it (``build_app``, ``deployment_options``,
-``DartRayServer``, ``make_engine``, ...), re-exported from the modules above.
 """
 
 from __future__ import annotations
@@ -30,57 +27,40 @@ from typing import Any
 from ray import serve
 
 from deployments.config import ServeArgs
-from deployments.engine_factory import (
-    ReplicaEngine,
-    check_tensor_parallel,
-    lane_factory,
-    make_engine,
-)
-from deployments.errors import REPLICA_LOST, ReplicaLostError, engine_error, is_replica_lost
+from deployments.engine_factory import check_tensor_parallel
 from deployments.placement import deployment_placement, ingress_actor_options
-from deployments.replica import keep_serve_grpc_on_loopback, reset_niceness
-from deployments.routes import INGRESS_NAME, DartRayIngress, EngineClient, Ingress, build_api
-from deployments.serving import (
-    DEPLOYMENT_NAME,
-    DartRayServer,
-    TokenizerPool,
-    draft_positions,
-    max_token_chars,
-)
+from deployments.routes import DartRayIngress
+from deployments.serving import DartRayServer
 
-_engine_error = engine_error
-"""Older name of :func:`deployments.errors.engine_error`."""
+__all__ = ["DartRayIngress", "DartRayServer", "build_app", "deployment_options",
+           "ingress_options"]
 
-__all__ = [
-    "DEPLOYMENT_NAME", "INGRESS_NAME", "REPLICA_LOST", "DartRayIngress", "DartRayServer",
-    "EngineClient", "Ingress", "ReplicaEngine", "ReplicaLostError", "TokenizerPool", "build_api",
-    "build_app", "check_tensor_parallel", "deployment_options", "draft_positions", "engine_error",
-    "ingress_options", "is_replica_lost", "keep_serve_grpc_on_loopback", "lane_factory",
-    "make_engine", "max_token_chars", "reset_niceness",
-]
+CONTROL_CALLS = 16
+"""Room each replica keeps for calls beside the requests (``/health``, ``/metrics``, model card)."""
+
+
+def _engine_max_ongoing(args: ServeArgs) -> int:
+    """Requests one engine replica holds at once: the rows of every lane it may build plus its
+    queue (beyond that the engine answers 503 ``queue_full``), plus the control calls."""
+    lanes = args.max_lanes if args.allow_speculative_override else 1
+    return args.engine.max_batch_size * lanes + args.max_queue + CONTROL_CALLS
 
 
 def deployment_options(args: ServeArgs) -> dict[str, Any]:
     """Serve options of the engine deployment (``DartRayServer``): replica resources, request
     bounds, TP placement."""
-    opts: dict[str, Any] = {
-        "num_replicas": args.num_replicas,
-        # the engine's own queue (rows of every lane + max_queue, then HTTP 503) is the bound; leave
-        # room for the ingress's /health, /metrics and model-card calls
-        "max_ongoing_requests": args.engine.max_batch_size
-        * (args.max_lanes if args.allow_speculative_override else 1)
-        + args.max_queue + 16,
-    }
-    opts.update(deployment_placement(args))   # replica resources; TP bundles or the per-node cap
-    return opts
+    # the engine's own queue is the bound; placement: replica resources, TP bundles or the cap
+    return {"num_replicas": args.num_replicas, "max_ongoing_requests": _engine_max_ongoing(args),
+            **deployment_placement(args)}
 
 
 def ingress_options(args: ServeArgs) -> dict[str, Any]:
     """Serve options of the ingress deployment (``DartRayIngress``): its own replica count and
     resources (:func:`~deployments.placement.ingress_actor_options`), and room for every request the
     engine replicas can hold at once (each open stream is one ongoing request of the ingress)."""
-    engine_bound = deployment_options(args)["max_ongoing_requests"] * args.num_replicas
-    return {"num_replicas": args.ingress_num_replicas, "max_ongoing_requests": engine_bound + 16,
+    engine_bound = _engine_max_ongoing(args) * args.num_replicas
+    return {"num_replicas": args.ingress_num_replicas,
+            "max_ongoing_requests": engine_bound + CONTROL_CALLS,
             "ray_actor_options": ingress_actor_options(args.ingress_num_cpus, args.ingress_on_head)}
 
 
@@ -89,5 +69,6 @@ def build_app(args: dict | None = None) -> serve.Application:
     bound to a handle of the engine deployment."""
     a = ServeArgs.from_dict(args)
     check_tensor_parallel(a)
-    engine = DartRayServer.options(**deployment_options(a)).bind(a.to_dict())
-    return DartRayIngress.options(**ingress_options(a)).bind(a.to_dict(), engine)
+    plain = a.to_dict()
+    engine = DartRayServer.options(**deployment_options(a)).bind(plain)
+    return DartRayIngress.options(**ingress_options(a)).bind(plain, engine)

@@ -62,6 +62,11 @@ def too_large(limit: int) -> APIError:
                     "invalid_request_error", None, "request_too_large")
 
 
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist (this server serves `{served}`).",
+                    "invalid_request_error", "model", "model_not_found")
+
+
 @dataclass
 class GenerationRequest:
     """A validated completion or chat request."""
@@ -83,6 +88,16 @@ class GenerationRequest:
     speculative: str | None = None  # None: the server's method; else one of dart_ray.METHODS
     user: str | None = None
     extra: dict = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The prompt when it was sent as token ids (nothing to tokenise), else None."""
+        return None if self.chat or isinstance(self.prompt, str) else self.prompt
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field that holds the prompt (the ``param`` of errors about it)."""
+        return "messages" if self.chat else "prompt"
 
 
 def parse_json(raw: bytes) -> dict:
@@ -310,12 +325,11 @@ def parse_chat(body: dict) -> GenerationRequest:
 def prompt_size(req: GenerationRequest) -> tuple[int, int | None]:
     """(characters of the prompt text, token count if the prompt is token ids else None); chat
     messages count their contents. Cheap: runs before any tokenisation."""
-    p = req.prompt
-    if isinstance(p, str):
-        return len(p), None
-    if p and isinstance(p[0], dict):
-        return sum(len(m.get("content") or "") for m in p), None
-    return 0, len(p)
+    if req.token_ids is not None:
+        return 0, len(req.token_ids)
+    if req.chat:
+        return sum(len(m.get("content") or "") for m in req.prompt), None
+    return len(req.prompt), None
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -376,6 +390,37 @@ def sse(obj) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+_TEXT_SLOT = "\x00text\x00"
+_TEXT_SLOT_JSON = json.dumps(_TEXT_SLOT).encode()
+
+
+class SSEChunks:
+    """The SSE events of one streamed response. A text delta is the common case (one per engine
+    step and request): its event is encoded once with a placeholder and split around it, so each
+    delta costs one ``json.dumps`` of its text, not of the whole chunk. Every event is byte for byte
+    ``sse(chunk(...))`` / ``sse(usage_chunk(...))``."""
+
+    def __init__(self, req: GenerationRequest, rid: str, created: int, model: str) -> None:
+        self.req, self.rid, self.created, self.model = req, rid, created, model
+        # the text is the last string of a chunk: rpartition finds it whatever the model name
+        self._head, _, self._tail = sse(chunk(req, rid, created, model, _TEXT_SLOT)) \
+            .rpartition(_TEXT_SLOT_JSON)
+
+    def role(self) -> bytes:
+        """A chat stream's first event (``delta.role``)."""
+        return sse(chunk(self.req, self.rid, self.created, self.model, "", role=True))
+
+    def text(self, text: str) -> bytes:
+        return self._head + json.dumps(text).encode() + self._tail
+
+    def finish(self, finish_reason: str | None) -> bytes:
+        text = None if self.req.kind == "chat" else ""
+        return sse(chunk(self.req, self.rid, self.created, self.model, text,
+                         finish_reason=finish_reason))
+
+    def usage(self, use: dict) -> bytes:
+        return sse(usage_chunk(self.req, self.rid, self.created, self.model, use))
 
 
 def now() -> int:

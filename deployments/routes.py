@@ -58,9 +58,10 @@ from deployments.protocol import (
     SSE_DONE,
     APIError,
     GenerationRequest,
-    chunk,
+    SSEChunks,
     completion_response,
     error_body,
+    model_not_found,
     new_id,
     now,
     parse_chat,
@@ -69,7 +70,6 @@ from deployments.protocol import (
     sse,
     too_large,
     usage,
-    usage_chunk,
 )
 from deployments.replica import prepare_replica_process, replica_labels
 
@@ -88,11 +88,12 @@ class EngineClient:
 
     def __init__(self, handle) -> None:
         self._handle = handle
-        self._streaming = handle.options(stream=True)
+        # once: each `handle.<method>` / `.options()` makes a new handle object
+        self._generate = handle.options(stream=True, method_name="generate")
 
     def generate(self, req: GenerationRequest, request_id: str):
         """The engine's stream of outputs for ``req``: an async iterator with ``cancel()``."""
-        return self._streaming.generate.remote(req, request_id)
+        return self._generate.remote(req, request_id)
 
     async def call(self, method: str, *args) -> Any:
         return await getattr(self._handle, method).remote(*args)
@@ -113,6 +114,23 @@ async def _next(stream):
         return await stream.__anext__()
     except StopAsyncIteration:
         raise ReplicaLostError("the engine stream ended before its final output") from None
+
+
+async def _outputs(stream, first) -> AsyncIterator[Any]:
+    """A request's outputs, ``first`` (already received) to the finished one; an error item is
+    raised. The caller cancels ``stream`` if it stops before the finished output."""
+    o = first
+    while True:
+        if isinstance(o, APIError):
+            raise o
+        yield o
+        if o.finished:
+            return
+        o = await _next(stream)
+
+
+def _usage(last, method: str) -> dict:
+    return usage(last.num_prompt_tokens, last.num_generated_tokens, last.stats.to_dict(), method)
 
 
 class Ingress:
@@ -177,8 +195,9 @@ class Ingress:
             except APIError:
                 raise
             except Exception as e:
-                if not is_replica_lost(e) or n >= self.args.max_replica_retries:
-                    if is_replica_lost(e):
+                lost = is_replica_lost(e)
+                if not lost or n >= self.args.max_replica_retries:
+                    if lost:
                         logger.warning("%s: engine replica lost, %d retries spent: %r", what, n, e)
                     raise engine_error(e, self.args.retry_after_s) from e
                 logger.warning("%s: engine replica lost before any output (%r); "
@@ -217,6 +236,14 @@ class Ingress:
         return await self._retrying(f"request {rid}", attempt)
 
     # ---- generation ------------------------------------------------------------------------------
+    def _cut(self, e: Exception, rid: str) -> APIError:
+        """The error of a request that ``e`` ended after its first output (a lost replica: the
+        retryable ``replica_lost``)."""
+        err = engine_error(e, self.args.retry_after_s)
+        if err.code == REPLICA_LOST:
+            logger.warning("request %s: engine replica lost after the first output: %r", rid, e)
+        return err
+
     async def generate(self, request: Request, parse: Callable[[dict], GenerationRequest]):
         req = await self.parse(await self.read_body(request), parse)
         identity = await self.identity()
@@ -227,69 +254,47 @@ class Ingress:
         created, model = now(), identity["model"]
         method = req.speculative or identity["method"]
         if req.stream:
-            return StreamingResponse(self._sse(req, rid, created, model, method, stream, first),
+            return StreamingResponse(self._sse(SSEChunks(req, rid, created, model), method, stream,
+                                               first),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        text, last, done = [], first, False
+        text, last = [], first
         try:
-            o = first
-            while True:
-                if isinstance(o, APIError):
-                    raise o
+            async for o in _outputs(stream, first):
                 text.append(o.new_text)
                 last = o
-                if o.finished:
-                    done = True
-                    break
-                o = await _next(stream)
         except APIError:
             raise
         except Exception as e:
-            err = engine_error(e, self.args.retry_after_s)
-            if err.code == REPLICA_LOST:
-                logger.warning("request %s: engine replica lost mid-request: %r", rid, e)
-            raise err from e
+            raise self._cut(e, rid) from e
         finally:
-            if not done:
+            if not last.finished:
                 _cancel(stream)
-        use = usage(last.num_prompt_tokens, last.num_generated_tokens, last.stats.to_dict(), method)
         return JSONResponse(completion_response(req, rid, created, model, "".join(text),
-                                                last.finish_reason, use),
+                                                last.finish_reason, _usage(last, method)),
                             headers={"X-Request-Id": rid})
 
-    async def _sse(self, req: GenerationRequest, rid: str, created: int, model: str, method: str,
-                   stream, first) -> AsyncIterator[bytes]:
-        last, done = first, False
+    async def _sse(self, chunks: SSEChunks, method: str, stream, first) -> AsyncIterator[bytes]:
+        last = first
         try:
-            if req.kind == "chat":
-                yield sse(chunk(req, rid, created, model, "", role=True))
-            o = first
-            while True:
-                if isinstance(o, APIError):
-                    raise o
+            if chunks.req.kind == "chat":
+                yield chunks.role()
+            async for o in _outputs(stream, first):
                 last = o
                 if o.new_text:
-                    yield sse(chunk(req, rid, created, model, o.new_text))
+                    yield chunks.text(o.new_text)
                 if o.finished:
-                    done = True
-                    yield sse(chunk(req, rid, created, model, None if req.kind == "chat" else "",
-                                    finish_reason=o.finish_reason))
-                    break
-                o = await _next(stream)
-            if req.include_usage:
-                use = usage(last.num_prompt_tokens, last.num_generated_tokens, last.stats.to_dict(),
-                            method)
-                yield sse(usage_chunk(req, rid, created, model, use))
+                    yield chunks.finish(o.finish_reason)
+            if chunks.req.include_usage:
+                yield chunks.usage(_usage(last, method))
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, then end it
-            err = engine_error(e, self.args.retry_after_s)
-            if err.code == REPLICA_LOST:
-                logger.warning("request %s: engine replica lost mid-stream: %r", rid, e)
+            err = self._cut(e, chunks.rid)
             self.metrics.error(err.status)
             yield sse(err.body())
             yield SSE_DONE
         finally:                                     # also on the client going away (cancelled)
-            if not done:
+            if not last.finished:
                 _cancel(stream)
 
 
@@ -332,9 +337,7 @@ def build_api(ingress: Ingress) -> FastAPI:
     async def model(model: str):
         card = await ingress.model_card()
         if model not in (card["id"], card["root"]):
-            raise APIError(404, f"The model `{model}` does not exist "
-                                f"(this server serves `{card['id']}`).",
-                           "invalid_request_error", "model", "model_not_found")
+            raise model_not_found(model, card["id"])
         return card
 
     @api.get("/metrics")

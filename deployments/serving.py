@@ -41,7 +41,14 @@ from deployments.config import ServeArgs
 from deployments.engine_factory import ReplicaEngine, lane_factory, make_engine
 from deployments.errors import engine_error
 from deployments.metrics import ServerMetrics
-from deployments.protocol import APIError, GenerationRequest, bad, now, prompt_size
+from deployments.protocol import (
+    APIError,
+    GenerationRequest,
+    bad,
+    model_not_found,
+    now,
+    prompt_size,
+)
 from deployments.replica import prepare_replica_process, replica_labels
 
 logger = logging.getLogger("ray.serve")
@@ -85,13 +92,12 @@ class TokenizerPool:
 
 
 # ---- what the engine thread reports --------------------------------------------------------------
-def _engine_info(e: Engine) -> dict:
-    return {"model_id": e.target.model_id,
-            "max_model_len": int(getattr(e, "max_model_len", e.max_seq_len)),
-            "method": e.config.method, "tokenizer": e.tokenizer,
-            "dtype": e.config.dtype, "dtype_reason": e.dtype_choice.reason,
-            "machine": e.fingerprint.summary(),
-            "adaptive": e.controller is not None}
+def _engine_info(e: Engine) -> tuple[dict, object]:
+    """(what the model card says of the main engine, its tokenizer)."""
+    return {"root": e.target.model_id, "max_model_len": int(e.max_model_len),
+            "speculative_method": e.config.method, "dtype": e.config.dtype,
+            "dtype_reason": e.dtype_choice.reason, "machine": e.fingerprint.summary(),
+            "adaptive_speculation": e.controller is not None}, e.tokenizer
 
 
 def draft_positions(engines: dict) -> int:
@@ -108,7 +114,7 @@ def _kv_usage(engines: dict) -> float:
     for e in engines.values():
         try:
             used += int(sum(e.cache.lengths[:e.num_running]))
-            cap += e.max_batch * int(getattr(e, "max_model_len", e.max_seq_len))
+            cap += e.max_batch * int(e.max_model_len)
         except Exception:    # an engine without a local cache (e.g. a TP proxy)
             logger.debug("no KV usage for %s", type(e).__name__, exc_info=True)
     return min(1.0, used / cap) if cap else 0.0
@@ -176,18 +182,19 @@ class DartRayServer:
                                    max_lanes=self.args.max_lanes,
                                    retry_after_s=self.args.retry_after_s,
                                    on_step=self._observe_step)
-        info = self.aengine.call_future(_engine_info).result()
-        self.engine_info = {k: v for k, v in info.items() if k != "tokenizer"}
-        self.model_id, self.method = info["model_id"], info["method"]
+        info, tokenizer = self.aengine.call_future(_engine_info).result()
+        self.model_id, self.method = info["root"], info["speculative_method"]
         self.max_model_len = info["max_model_len"]
         """Prompt + generated tokens a request can use (the engine keeps its tree scratch
         beyond)."""
-        self.tokenizers = TokenizerPool(info["tokenizer"], self.args.tokenizer_workers)
+        self.tokenizers = TokenizerPool(tokenizer, self.args.tokenizer_workers)
         self.max_prompt_chars = (self.args.max_prompt_chars
-                                 or self.max_model_len * max_token_chars(info["tokenizer"]))
+                                 or self.max_model_len * max_token_chars(tokenizer))
         self.model_name = self.args.served_model_name or self.model_id
         self.accepted_models = {self.model_name, self.model_id}
-        self.created = now()
+        self.card = {"id": self.model_name, "object": "model", "created": now(),
+                     "owned_by": "dart-ray", "parent": None, **info}
+        """The ``/v1/models`` entry of this replica's model."""
         replica, node = replica_labels()
         self.replica_id = replica
         self.server_metrics = ServerMetrics(self.model_name, replica=replica, node=node,
@@ -212,7 +219,7 @@ class DartRayServer:
     def reconfigure(self, user_config: dict) -> None:
         """Serve ``user_config``: ``{"decoding": {...}}`` or ``{"profile": name}`` (no reload);
         every lane takes the new schedule (lanes built later copy it from the main engine)."""
-        from dart_ray import DecodingConfig, DecodingSchedule
+        from dart_ray import DecodingConfig, DecodingSchedule, load_profile
 
         user_config = dict(user_config or {})
         unknown = set(user_config) - {"decoding", "profile"}
@@ -220,8 +227,6 @@ class DartRayServer:
             raise ValueError(f"unknown user_config keys {sorted(unknown)}; "
                              "known: ['decoding', 'profile']")
         if user_config.get("profile"):
-            from dart_ray.profiles import load_profile
-
             schedule = load_profile(user_config["profile"])
         elif user_config.get("decoding"):
             schedule = DecodingSchedule.constant(
@@ -260,7 +265,7 @@ class DartRayServer:
         try:
             self._check_model(req.model)
             self._check_prompt_size(req)             # before a lane is built or anything tokenised
-            lane, _ = await self._lane(req.speculative)
+            lane = await self._lane(req.speculative)
             ids = await self._prepare(req)
             params = self._params(req, len(ids))
             track = _Track(self.server_metrics, t0, params.max_new_tokens)
@@ -285,13 +290,7 @@ class DartRayServer:
 
     def model_card(self) -> dict:
         """The ``/v1/models`` entry of this replica's model."""
-        return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "dart-ray", "root": self.model_id, "parent": None,
-                "max_model_len": self.max_model_len,
-                "speculative_method": self.method, "dtype": self.engine_info["dtype"],
-                "dtype_reason": self.engine_info["dtype_reason"],
-                "machine": self.engine_info["machine"],
-                "adaptive_speculation": self.engine_info["adaptive"]}
+        return self.card
 
     def health(self) -> dict:
         """``/health``: raises if the engine cannot serve, else its queue state (and which
@@ -324,45 +323,46 @@ class DartRayServer:
     # ---- admission -------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_models:
-            raise APIError(404, f"The model `{model}` does not exist "
-                                f"(this server serves `{self.model_name}`).",
-                           "invalid_request_error", "model", "model_not_found")
+            raise model_not_found(model, self.model_name)
+
+    def _too_long(self, req: GenerationRequest, num_prompt: int) -> APIError:
+        return APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                             f"tokens. However, your prompt has {num_prompt} tokens (at least one "
+                             "must be left to generate).",
+                        "invalid_request_error", req.prompt_param, "context_length_exceeded")
 
     def _check_prompt_size(self, req: GenerationRequest) -> None:
         """Refuse prompts that cannot fit the context before tokenising them."""
         chars, n_ids = prompt_size(req)
-        param = "messages" if req.chat else "prompt"
         if n_ids is not None and n_ids >= self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
-                                f"tokens. However, your prompt has {n_ids} tokens (at least one "
-                                "must be left to generate).",
-                           "invalid_request_error", param, "context_length_exceeded")
+            raise self._too_long(req, n_ids)
         if chars > self.max_prompt_chars:
             raise APIError(400, f"The prompt has {chars} characters, more than this server "
                                 f"tokenises ({self.max_prompt_chars}; the model's maximum context "
                                 f"length is {self.max_model_len} tokens).",
-                           "invalid_request_error", param, "context_length_exceeded")
+                           "invalid_request_error", req.prompt_param, "context_length_exceeded")
 
-    async def _lane(self, method: str | None) -> tuple[str, str]:
-        """The engine lane for a per-request method (the ingress has checked the API key: with one
-        set, only authenticated clients get here)."""
+    async def _lane(self, method: str | None) -> str:
+        """The engine lane for a per-request method, built on first use (the ingress has checked
+        the API key: with one set, only authenticated clients get here)."""
         if method is None or method == self.method:
-            return MAIN_LANE, self.method
+            return MAIN_LANE
         if not self.args.allow_speculative_override or self.args.tensor_parallel_size > 1:
             raise bad(f"this server does not run per-request speculative overrides "
                       f"(it runs {self.method!r})", "speculative", "unsupported_value")
-        if method not in self.aengine.lanes:
-            try:
-                await self.aengine.add_lane(method, lane_factory(method))
-            except LaneLimitError:
-                raise bad(f"speculative method {method!r} is unavailable: this server runs at "
-                          f"most {self.args.max_lanes} engine lanes "
-                          f"({sorted(self.aengine.lanes)}) (max_lanes)",
-                          "speculative", "unsupported_value") from None
-            except Exception as e:  # noqa: BLE001 - e.g. no drafter shipped for this target
-                raise bad(f"speculative method {method!r} is unavailable: {e}", "speculative",
-                          "unsupported_value") from None
-        return method, method
+        if method in self.aengine.lanes:
+            return method
+        try:
+            await self.aengine.add_lane(method, lane_factory(method))
+        except LaneLimitError:
+            raise bad(f"speculative method {method!r} is unavailable: this server runs at "
+                      f"most {self.args.max_lanes} engine lanes "
+                      f"({sorted(self.aengine.lanes)}) (max_lanes)",
+                      "speculative", "unsupported_value") from None
+        except Exception as e:  # noqa: BLE001 - e.g. no drafter shipped for this target
+            raise bad(f"speculative method {method!r} is unavailable: {e}", "speculative",
+                      "unsupported_value") from None
+        return method
 
     async def _prepare(self, req: GenerationRequest) -> list[int]:
         """Token ids of the prompt (tokenised off the engine thread), admitted against
@@ -371,21 +371,16 @@ class DartRayServer:
         if req.max_tokens is not None and req.max_tokens > self.max_model_len:
             raise bad(f"max_tokens={req.max_tokens} exceeds the context length "
                       f"{self.max_model_len}", "max_tokens", "context_length_exceeded")
-        param = "messages" if req.chat else "prompt"
-        if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], dict):
-            ids = list(req.prompt)                  # token ids: nothing to tokenise
-        else:
+        ids = req.token_ids
+        if ids is None:
             try:
                 ids = await self.tokenizers.encode(req.prompt, req.chat)
             except Exception as e:  # noqa: BLE001 - tokenizer / chat template rejected the input
-                raise bad(f"invalid prompt: {e}", param) from None
+                raise bad(f"invalid prompt: {e}", req.prompt_param) from None
         if not ids:
-            raise bad("prompt is empty", param)
+            raise bad("prompt is empty", req.prompt_param)
         if len(ids) >= self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
-                                f"tokens. However, your prompt has {len(ids)} tokens (at least one "
-                                "must be left to generate).",
-                           "invalid_request_error", param, "context_length_exceeded")
+            raise self._too_long(req, len(ids))
         if req.max_tokens is not None and len(ids) + req.max_tokens > self.max_model_len:
             raise bad(f"This model's maximum context length is {self.max_model_len} tokens. "
                       f"However, you requested {len(ids) + req.max_tokens} tokens ({len(ids)} in "

@@ -155,3 +155,12 @@ def local_ray(prefix: str):
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

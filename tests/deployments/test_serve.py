@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -18,7 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import make_tiny_checkpoint
+from conftest import free_port
 
 pytestmark = pytest.mark.serve
 
@@ -27,12 +26,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 MODEL_NAME = "tiny"
 API_KEY = "sekret-key"
 MAX_SEQ_LEN = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _http(method: str, url: str, body=None, headers=None, timeout: float = 60.0):
@@ -55,9 +48,8 @@ def _http(method: str, url: str, body=None, headers=None, timeout: float = 60.0)
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, smollm_dir):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_serve") / "llama", "llama",
-                                smollm_dir)
+def tiny_model(tiny_dirs):
+    return tiny_dirs["llama"]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +61,7 @@ def server(tiny_model):
     from deployments.run import start_local_ray
 
     tmp = tempfile.mkdtemp(prefix="drs-", dir="/tmp")       # short: Ray's socket paths must fit
-    port = _free_port()
+    port = free_port()
     own_ray = not ray.is_initialized()                        # reuse a Ray another module started
     if own_ray:
         # loopback, like `dart-ray serve`
@@ -118,6 +110,20 @@ def reference(tiny_model):
         return c.text, c.finish_reason, len(c.token_ids), c.num_prompt_tokens
 
     return ref
+
+
+def _open_stream(port: int, max_tokens: int, path: str = "/v1/completions",
+                 headers: dict | None = None, timeout: float = 60):
+    """A greedy streamed completion of "abc" that ignores EOS, left open: (connection, response);
+    the caller reads it and closes the connection."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", path,
+                 json.dumps({"prompt": "abc", "max_tokens": max_tokens, "ignore_eos": True,
+                             "stream": True, "temperature": 0}),
+                 {"Content-Type": "application/json", **(headers or {})})
+    return conn, conn.getresponse()
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
@@ -320,15 +326,8 @@ def test_concurrent_streaming_clients(server, reference):
 
 
 def test_client_disconnect_mid_stream_frees_rows(server):
-    import http.client
-
     _, m0 = _http("GET", server["url"] + "/metrics")
-    conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
-    conn.request("POST", "/v1/completions",
-                 json.dumps({"prompt": "abc", "max_tokens": 200, "ignore_eos": True,
-                             "stream": True, "temperature": 0}),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    conn, resp = _open_stream(server["port"], 200)
     assert resp.status == 200
     assert resp.readline().startswith(b"data: ")
     conn.close()                                                # walk away mid-stream
@@ -351,19 +350,12 @@ def test_replica_killed_is_replaced(server, client):
     """SIGKILL the engine replica's process mid-stream: the open stream, held by the ingress, ends
     with a retryable ``replica_lost`` error event and ``[DONE]`` (issue 19); Serve starts a new
     replica and requests succeed again."""
-    import http.client
-
     from ray import serve
 
     handle = serve.get_deployment_handle("DartRayServer", "main")
     pid = handle.pid.remote().result(timeout_s=30)
     assert pid != os.getpid()
-    conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
-    conn.request("POST", "/v1/completions",
-                 json.dumps({"prompt": "abc", "max_tokens": 240, "ignore_eos": True,
-                             "stream": True, "temperature": 0}),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    conn, resp = _open_stream(server["port"], 240)
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
     os.kill(pid, signal.SIGKILL)
     events = [line[len(b"data: "):] for line in resp.read().split(b"\n")
@@ -540,14 +532,8 @@ def test_large_prompt_does_not_stall_other_streams(server):
 
 def test_queue_full_is_503_with_retry_after(server):
     """secure app: max_batch_size 1 running + max_queue 1 waiting, then 503 + Retry-After."""
-    import http.client
-
     h = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
-    long = json.dumps({"prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True,
-                       "temperature": 0})
-    first = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=120)
-    first.request("POST", "/secure/v1/completions", long, h)
-    resp = first.getresponse()
+    first, resp = _open_stream(server["port"], 200, "/secure/v1/completions", h, timeout=120)
     assert resp.status == 200 and resp.readline().startswith(b"data: ")          # holds the row
     waiting: list = []
     t = threading.Thread(target=lambda: waiting.append(

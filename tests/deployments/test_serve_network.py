@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,17 +21,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import make_tiny_checkpoint
+from conftest import free_port
 
 pytestmark = pytest.mark.serve
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _is_loopback(ip: str) -> bool:
@@ -66,8 +59,8 @@ def _listening(procs) -> list[tuple[str, str, int]]:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, smollm_dir):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_net") / "llama", "llama", smollm_dir)
+def tiny_model(tiny_dirs):
+    return tiny_dirs["llama"]
 
 
 def test_dart_ray_serve_binds_loopback_with_auth_and_unniced_replica(tiny_model):
@@ -75,7 +68,7 @@ def test_dart_ray_serve_binds_loopback_with_auth_and_unniced_replica(tiny_model)
 
     home = Path(tempfile.mkdtemp(prefix="drh-", dir="/tmp"))
     temp = tempfile.mkdtemp(prefix="drn-", dir="/tmp")  # short: Ray's socket paths must fit
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}  # Ray's default: token auth
     env.update(HOME=str(home), PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "dart_ray.cli", "serve", "--port", str(port), "--temp-dir", temp,

@@ -9,7 +9,7 @@ import pytest
 
 from dart_ray import DecodingConfig, DecodingSchedule, EngineConfig, SamplingParams
 from deployments.config import ServeArgs
-from deployments.metrics import ServerMetrics
+from deployments.metrics import IngressMetrics, ServerMetrics
 from deployments.placement import placement_options, replica_actor_options
 from deployments.protocol import APIError, parse_chat, parse_completion, parse_json, sse, usage
 
@@ -169,12 +169,38 @@ def test_sse_and_usage():
     json.dumps(u)
 
 
+def test_sse_chunks_are_the_chunk_objects_encoded():
+    """SSEChunks encodes a chunk's constant parts once; every event equals sse(chunk(...))."""
+    from deployments.protocol import SSEChunks, chunk, usage_chunk
+
+    use = usage(3, 4, None, "dart")
+    for req in (parse_completion({"prompt": "x", "stream": True}),
+                parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True})):
+        for model in ("tiny", 'a "quoted"\x00text\x00 name', "\x00text\x00"):
+            c = SSEChunks(req, "cmpl-1", 123, model)
+            for text in ("", "héllo \"wörld\"\n", "\x00text\x00", "</s>\u2028"):
+                assert c.text(text) == sse(chunk(req, "cmpl-1", 123, model, text)), (model, text)
+            assert c.role() == sse(chunk(req, "cmpl-1", 123, model, "", role=True))
+            assert c.finish("stop") == sse(chunk(req, "cmpl-1", 123, model,
+                                                 None if req.chat else "", finish_reason="stop"))
+            assert c.usage(use) == sse(usage_chunk(req, "cmpl-1", 123, model, use))
+
+
+def test_prompt_fields_of_a_request():
+    ids = parse_completion({"prompt": [1, 2, 3]})
+    assert ids.token_ids == [1, 2, 3] and ids.prompt_param == "prompt"
+    assert parse_completion({"prompt": "abc"}).token_ids is None
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}]})
+    assert chat.token_ids is None and chat.prompt_param == "messages"
+
+
 # ---- metrics -------------------------------------------------------------------------------------
 def test_metrics_render():
     m = ServerMetrics("tiny")
     m.finished("stop", 0.3, 5, 7)
     m.ttft.observe(0.02)
-    m.error(400)
+    ingress = IngressMetrics()                       # errors are counted where HTTP is answered
+    ingress.error(400)
     stats = {"main": ("dart", {"row_steps": 10, "spec_row_steps": 10, "draft_tokens": 100,
                                "draft_depth_tokens": 30, "accepted_tokens": 6,
                                "accepted_per_depth": [4, 2], "generated_tokens": 16,
@@ -182,7 +208,8 @@ def test_metrics_render():
              "none": ("none", {"row_steps": 3, "draft_tokens": 0, "accepted_tokens": 0,
                                "accepted_per_depth": [], "generated_tokens": 3,
                                "prompt_tokens": 2})}
-    text = m.render(stats, queue_depth=2, num_running=1, num_positions=4)
+    text = m.render(stats, queue_depth=2, num_running=1, num_positions=4,
+                    ingress=ingress.snapshot())
     lines = set(text.splitlines())
     assert 'vllm:spec_decode_num_drafts_total{model_name="tiny"} 10.0' in lines  # AR lane excluded
     # issue 16: vLLM's draft tokens of a tree = its depth per draft; all nodes have their own name
@@ -431,8 +458,9 @@ def test_grafana_dashboard_reads_exported_metrics():
     dash = json.loads((repo / "deployments/grafana/dart_ray_dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     m = ServerMetrics("m", "r", "n")
-    m.error(503)                                     # so the errors family has a sample
-    text = m.render({"main": ("dart", {})}, 0, 0, 2)
+    ingress = IngressMetrics("i", "n")
+    ingress.error(503)                               # so the errors family has a sample
+    text = m.render({"main": ("dart", {})}, 0, 0, 2, ingress=ingress.snapshot())
     samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     used = {m for e in exprs for m in re.findall(r"(?:vllm|dart_ray):[a-z0-9_]+", e)}
     assert used and not used - samples, used - samples
@@ -785,3 +813,19 @@ def test_ingress_cancels_the_engine_stream_when_the_client_goes_away():
                             disconnect_after_first_chunk=True)
     assert status == 200 and b"[DONE]" not in body
     assert engine.streams[0].cancelled  # -> the engine aborts the request
+
+
+def test_ingress_reports_an_engine_error_after_output_in_band():
+    """An error item after the first output (e.g. a failed engine step): an SSE stream ends with
+    that error and [DONE]; a JSON request gets its status. Either way the stream is cancelled."""
+    failed = APIError(500, "step failed", "server_error", None, "engine_error")
+    engine = _FakeEngine([_out("Hel", 1), failed])
+    ingress, app = _ingress(engine)
+    status, _, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x", "stream": True})
+    ev = _events(body)
+    assert status == 200 and ev[-1] == b"[DONE]"
+    assert json.loads(ev[0])["choices"][0]["text"] == "Hel"
+    assert json.loads(ev[-2])["error"]["code"] == "engine_error"
+    status, _, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x"})
+    assert status == 500 and json.loads(body)["error"]["code"] == "engine_error"
+    assert all(s.cancelled for s in engine.streams) and ingress.metrics.errors == {"500": 2}
