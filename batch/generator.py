@@ -49,6 +49,7 @@ from dart_ray import (
     SamplingParams,
     load_profile,
 )
+from dart_ray.config import warn_renamed
 from dart_ray.profiles import check_profile_hardware
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,9 @@ OUTPUT_COLUMNS: tuple[str, ...] = tuple(OUTPUT_SCHEMA.names)
 
 
 def engine_config_from_dict(d: dict | EngineConfig) -> EngineConfig:
-    """Deprecated alias of :meth:`EngineConfig.from_dict` (the one dict form of engine settings)."""
+    """Deprecated alias of :meth:`EngineConfig.from_dict` (the one dict form of engine settings);
+    warns (:class:`~dart_ray.config.RenamedWarning`) and goes away next release."""
+    warn_renamed("batch.engine_config_from_dict", "dart_ray.EngineConfig.from_dict", "function")
     return EngineConfig.from_dict(d)
 
 

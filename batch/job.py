@@ -422,6 +422,11 @@ def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa
     elif cpus * cfg.concurrency > total - 1.0:
         log.warning("the actors declare %.2f of the cluster's %.0f CPUs; Ray Data's file listing "
                     "needs one free CPU, so the job may stall", cpus * cfg.concurrency, total)
+    actors = _actors_that_fit(cfg.concurrency, cpus)
+    if actors < cfg.concurrency:
+        log.warning("the cluster has room for %d of %d engine actors now (%.2f CPUs each, one CPU "
+                    "kept for reads): starting with %d, more as CPUs free up or nodes join",
+                    actors, cfg.concurrency, cpus, actors)
     engine = cfg.engine
     if engine.num_threads is None:
         engine = engine.replace(num_threads=max(1, math.floor(cpus)))
@@ -431,13 +436,35 @@ def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa
     ctx = ray.data.DataContext.get_current()
     ray_bars, ctx.enable_progress_bars = ctx.enable_progress_bars, False  # ours is the one bar
     try:
-        _execute(cfg, store, inp, done, remaining, summary, cpus, gen_kwargs)
+        _execute(cfg, store, inp, done, remaining, summary, cpus, actors, gen_kwargs)
     finally:
         ctx.enable_progress_bars = ray_bars
 
 
+def actors_that_fit(wanted: int, cpus: float, free_cpus: float) -> int:
+    """Engine actors of ``cpus`` each to start when ``free_cpus`` are free: up to ``wanted``, one
+    CPU kept for Ray Data's reads, at least one. The pool starts with these and grows to
+    ``wanted`` when room appears: a pool that must start larger than what the cluster can place
+    waits forever (for instance, resumed after a node loss: the lost node's CPUs are gone)."""
+    return max(1, min(wanted, math.floor((free_cpus - 1.0) / cpus + 1e-9)))
+
+
+def _actors_that_fit(wanted: int, cpus: float, settle_s: float = 5.0) -> int:
+    """:func:`actors_that_fit` for the CPUs the cluster has free now. A stopped pipeline's actors
+    free theirs a moment after they die, so a short wait for room comes first."""
+    import ray
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        n = actors_that_fit(wanted, cpus, ray.available_resources().get("CPU", 0.0))
+        if n >= wanted or time.monotonic() >= deadline:
+            return n
+        time.sleep(0.25)
+
+
 def _execute(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa.Array | None,
-             remaining: int, summary: JobSummary, cpus: float, gen_kwargs: dict) -> None:
+             remaining: int, summary: JobSummary, cpus: float, actors: int,
+             gen_kwargs: dict) -> None:
     import ray.data
     from tqdm.auto import tqdm
 
@@ -455,7 +482,8 @@ def _execute(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa.Arra
     ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
     ds = ds.map_batches(
         _PartWriter, batch_format="pyarrow", batch_size=cfg.batch_size,
-        compute=ray.data.ActorPoolStrategy(size=cfg.concurrency), num_cpus=cpus,
+        compute=ray.data.ActorPoolStrategy(min_size=actors, max_size=cfg.concurrency),
+        num_cpus=cpus,
         fn_constructor_kwargs={"output": str(store.root), "id_column": cfg.id_column,
                                "prompt_column": cfg.prompt_column, "id_type": inp.ids.type,
                                "generator_kwargs": gen_kwargs})

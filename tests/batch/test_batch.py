@@ -256,9 +256,11 @@ def test_manifest_is_the_engine_fingerprint_and_the_generation_settings(tmp_path
 
     from batch import engine_config_from_dict
     from batch.job import MANIFEST_EXCLUDES
+    from dart_ray.config import RenamedWarning
 
     cfg = BatchJobConfig(input="in.parquet", output="out", engine=dict(ENGINE))
-    assert cfg.engine == EngineConfig(**ENGINE) == engine_config_from_dict(ENGINE)
+    with pytest.warns(RenamedWarning, match="EngineConfig.from_dict"):  # the deprecated alias
+        assert cfg.engine == EngineConfig(**ENGINE) == engine_config_from_dict(ENGINE)
     m = cfg.manifest("column")
     fp = cfg.engine.fingerprint(exclude=MANIFEST_EXCLUDES)
     assert {k: m[f"engine.{k}"] for k in fp} == fp
@@ -377,6 +379,45 @@ def test_jsonl_without_id_column_two_actors(tmp_path, engine_config, ref_engine,
     assert summary.retried_rows == 0 and summary.retries["in_run"] == 0  # nothing was lost
     again = run_batch_job(cfg)
     assert again.rows == 0 and again.already_done == n and again.ok and again.retried_rows == 0
+
+
+def test_actor_pool_starts_with_what_fits():
+    from batch.job import actors_that_fit
+
+    assert actors_that_fit(2, 0.5, 3.0) == 2            # room for both, one CPU kept for reads
+    assert actors_that_fit(4, 0.5, 2.0) == 2            # 1.0 of 2.0 for actors
+    assert actors_that_fit(2, 0.5, 1.5) == 1            # a node lost: the survivor's room
+    assert actors_that_fit(3, 1.0, 0.0) == 1            # nothing free (autoscaling): start one
+    assert actors_that_fit(3, 1 / 3, 2.0) == 3          # no rounding below a whole fit
+
+
+def test_a_busy_cluster_runs_the_job_with_fewer_actors(tmp_path, engine_config, ray_local):
+    """A quarter of the CPUs held by someone else (like a serve replica on the survivor of a node
+    loss): the job starts the actors that fit, instead of waiting forever for a pool it cannot
+    place."""
+    n = 20
+    ids = _ids(n)
+    inp = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"id": ids, "prompt": [f"Prompt {i}: hi" for i in range(n)]}), inp)
+
+    @ray_local.remote(num_cpus=0.5)
+    class Squatter:
+        def ready(self) -> bool:
+            return True
+
+    squatter = Squatter.remote()
+    ray_local.get(squatter.ready.remote())
+    try:
+        cfg = BatchJobConfig(input=str(inp), output=str(tmp_path / "out"),
+                             engine=EngineConfig(**engine_config),
+                             sampling=SamplingParams(max_new_tokens=4, ignore_eos=True),
+                             concurrency=2, batch_size=5, num_cpus_per_actor=0.5, progress=False,
+                             stall_timeout_s=60.0, max_resumes=0)
+        summary = run_batch_job(cfg)
+    finally:
+        ray_local.kill(squatter)
+    assert summary.ok and summary.resumes == 0 and summary.rows == n
+    assert sorted(OutputStore(cfg.output).read(columns=["id"]).column("id").to_pylist()) == ids
 
 
 def test_dart_generator_in_a_user_pipeline(engine_config, ref_engine, ray_local):

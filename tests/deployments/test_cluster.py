@@ -57,8 +57,11 @@ STREAM_TOKENS = 600
 """Tokens of each long request of the node-loss test: ~8 s at batch 4 here, so the requests are in
 flight at the kill, and the survivor's two rounds (its own, then the resubmitted ones) fit
 IN_FLIGHT_BOUND_S."""
-PROBE_TIMEOUT_S = 20.0
-"""Each probe request while a node dies: a 4-token completion takes ~50 ms here."""
+PROBE_TIMEOUT_S = IN_FLIGHT_BOUND_S + 10.0
+"""Each probe request while a node dies. A 4-token completion takes ~50 ms alone, but a probe sent
+around the kill can queue on the survivor behind its own long requests and the resubmitted ones
+(FIFO, 4 rows), which all end within IN_FLIGHT_BOUND_S; only a probe still open after that is
+hung (a CI run saw one wait > 20 s on a loaded 2-core runner)."""
 RECREATE_BOUND_S = 120.0
 """A lost replica is running again after capacity returns: node registration (~2 s) + replica
 start (process, torch import, tiny model: ~10-20 s on 2 loaded cores); x5 headroom."""
@@ -621,7 +624,9 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
     from dart_ray import EngineConfig, SamplingParams
 
     cluster.ensure("node_a", "node_b")
-    with contextlib.suppress(Exception):  # free the serve app's CPUs for the job
+    # the serve app above would re-create its lost replica meanwhile and take the survivor's CPUs
+    # at a moment of its choosing; without it the resumed job's room on the survivor is known
+    with contextlib.suppress(Exception):
         from ray import serve
 
         serve.delete("main")
