@@ -171,7 +171,7 @@ def stream_workload(engine: Engine, prompts: Sequence[str], batch_size: int, par
             i, p = pending.popleft()
             index[engine.add_request(p, params, chat=chat)] = i
             started[i] = clock()
-        for o in engine.step():
+        for o in engine.step(detokenize=bool(params.stop)):  # text off the step, as served
             i = index.get(o.request_id)
             if i is None:
                 continue

@@ -7,12 +7,19 @@ runs ``step()`` while there is work. Coroutines talk to it through a thread-safe
     caller (event loop)                          engine thread
     -------------------                          -------------
     stream(): add -> inbox  ------------------>  engine.add_request()   (errors go back as-is)
-              await per-request asyncio.Queue <- step() outputs, routed by request id with
-                                                 loop.call_soon_threadsafe
-    cancelled / closed early: abort -> inbox -->  engine.abort()          (frees the row)
+              await per-request asyncio.Queue <- step(detokenize=False) outputs (token ids),
+              text + stop strings (RequestText)    routed by request id with
+                                                   loop.call_soon_threadsafe
+    ended by a stop string, cancelled or
+    closed early: abort -> inbox ------------->  engine.abort()          (frees the row)
     call(fn): fn -> inbox  ------------------->  fn(engine) between steps, result via a future
 
 The event loop never blocks on the engine: it only puts items into a queue and awaits futures.
+Detokenising happens on the event loop, per request, as its consumer reads it: the engine thread
+only computes token ids, so no request's text (a long one, or many streams) delays a step. A stop
+string ends a request there: its stream returns the text before it and the ids through the token
+that completes it, and the engine is told to abort the request (a step it may have run meanwhile
+is not streamed, and its tokens are taken back out of the engine's ``generated_tokens``).
 
 Besides the main engine, the thread can own extra *lanes*: further engines (e.g. a plain
 autoregressive one sharing the target weights) built on demand with :meth:`AsyncEngine.add_lane`.
@@ -51,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dart_ray.config import SamplingParams
+from dart_ray.engine.detok import RequestText
 from dart_ray.engine.engine import Engine
 from dart_ray.engine.request import RequestOutput
 
@@ -102,10 +110,14 @@ class _Stream:
     lane: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    text: RequestText
+    """Its text and stop strings (used on the event loop)."""
     done: bool = False
     timing: RequestTiming | None = None
     started: bool = False
     """Its first output was produced (set on the engine thread)."""
+    tokens_out: int = 0
+    """Token ids the engine produced for it (counted on the engine thread)."""
 
 
 @dataclass
@@ -152,8 +164,10 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
-    lane: str
+    stream: _Stream
+    kept_tokens: int | None = None
+    """A stop string ended the request after this many tokens: the engine's count of generated
+    tokens drops the ones produced after them."""
 
 
 @dataclass
@@ -278,18 +292,33 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     st.done = True
                     raise item
-                if item.finished:
+                out = self._text(st, item)
+                if out.finished:
                     st.done = True
-                yield item
+                yield out
                 if st.done:
                     return
         finally:
             if not st.done:
                 st.done = True
-                self._inbox.put(_Abort(st.request_id, st.lane))
+                self._inbox.put(_Abort(st))
             with self._lock:
                 if self._stream_index.get(st.request_id) is st:
                     del self._stream_index[st.request_id]
+
+    def _text(self, st: _Stream, item: RequestOutput) -> RequestOutput:
+        """The engine's token-id output ``item`` with its text; a stop string found in it ends the
+        request (the engine is told to abort it)."""
+        ids, text, stopped = st.text.push(item.new_token_ids, item.finished)
+        if not stopped:
+            item.new_text = text
+            return item
+        if not item.finished:                      # the engine still runs it: free its row
+            self._inbox.put(_Abort(st, kept_tokens=st.text.num_tokens))
+        return RequestOutput(request_id=item.request_id, new_token_ids=ids, new_text=text,
+                             finished=True, finish_reason="stop",
+                             num_prompt_tokens=item.num_prompt_tokens,
+                             num_generated_tokens=st.text.num_tokens, stats=item.stats)
 
     def _submit(self, prompt, params: SamplingParams, request_id: str | None, chat: bool, lane: str,
                 timing: RequestTiming | None = None) -> _Stream:
@@ -307,7 +336,8 @@ class AsyncEngine:
                 raise QueueFullError(f"all {ln.rows} batch rows are busy and {self.max_queue} "
                                      "requests are already waiting; retry in "
                                      f"{self.retry_after_s:g} s", self.retry_after_s)
-            st = _Stream(rid, lane, loop, asyncio.Queue(), timing=timing)
+            text = RequestText(ln.engine.tokenizer, params.stop)
+            st = _Stream(rid, lane, loop, asyncio.Queue(), text, timing=timing)
             self._stream_index[rid] = st
             ln.pending += 1
         if timing is not None:
@@ -429,12 +459,17 @@ class AsyncEngine:
                     self._deliver(st, e)
             self._publish(handed=lane)   # pending -> engine counters in one step (no gap)
         elif isinstance(c, _Abort):
-            lane = self._lanes.get(c.lane)
-            if lane is not None and lane.streams.pop(c.request_id, None) is not None:
+            st = c.stream
+            lane = self._lanes.get(st.lane)
+            if lane is None:
+                return
+            if lane.streams.pop(st.request_id, None) is not None:
                 try:
-                    lane.engine.abort(c.request_id)
+                    lane.engine.abort(st.request_id)
                 except Exception:
-                    logger.exception("abort of %s failed", c.request_id)
+                    logger.exception("abort of %s failed", st.request_id)
+            if c.kept_tokens is not None:  # usage and metrics agree with the text
+                lane.engine.metrics.generated_tokens -= st.tokens_out - c.kept_tokens
         elif isinstance(c, _Call):
             if not c.future.set_running_or_notify_cancel():
                 return
@@ -458,7 +493,7 @@ class AsyncEngine:
     def _step(self, lane: _Lane) -> None:
         t_start = time.perf_counter()
         try:
-            outputs = lane.engine.step()
+            outputs = lane.engine.step(detokenize=False)
         except Exception as e:
             logger.exception("engine step failed on lane %s", lane.name)
             self.num_step_errors += 1
@@ -496,6 +531,7 @@ class AsyncEngine:
             st = lane.streams.get(o.request_id)
             if st is None:
                 continue
+            st.tokens_out += len(o.new_token_ids)
             if o.finished:
                 del lane.streams[o.request_id]
             if not self._deliver(st, o):

@@ -1,8 +1,16 @@
-"""Incremental detokenisation: decode only a small window of new tokens per step.
+"""A request's text: incremental detokenisation and stop strings.
 
-The window starts at the tokens emitted in the previous chunk (``prefix_offset``) so that
-leading-space handling matches decoding the whole sequence; text is emitted only when the window
-does not end in a replacement character (a UTF-8 character split across byte-level tokens).
+The engine's step produces token ids; it ends a request on a stop id or a length limit. Text is
+made from the ids by one :class:`RequestText` per request, where the outputs are consumed:
+:meth:`Engine.step` for the synchronous API (same thread, between steps), the event loop of
+:class:`~dart_ray.engine.async_engine.AsyncEngine` for the server, off the engine's step loop, so
+detokenising never delays a step. A stop string found in the text ends the request: the text is
+cut before it, the token ids after the token that completes it, so token ids, usage and text agree.
+
+:class:`IncrementalDetokenizer` decodes only a small window of new tokens per step. The window
+starts at the tokens emitted in the previous chunk (``prefix_offset``) so that leading-space
+handling matches decoding the whole sequence; text is emitted only when the window does not end
+in a replacement character (a UTF-8 character split across byte-level tokens).
 """
 
 from __future__ import annotations
@@ -29,3 +37,62 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+
+class RequestText:
+    """The text of one request's output, step by step: ids in, (ids kept, new text) out.
+
+    Text that may be the start of a stop string is held back until it cannot be; the rest is
+    returned as soon as it is readable. After the request ends (:attr:`finished`) nothing more may
+    be pushed."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stop = tuple(stop)
+        self._longest = max((len(s) for s in self.stop), default=0)
+        self._hold = max(self._longest - 1, 0)   # characters that may start a stop string
+        self.emitted = 0
+        """Characters of ``detok.text`` returned so far."""
+        self.finished = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Token ids kept so far (the request's usage)."""
+        return len(self.detok.ids)
+
+    def push(self, ids: list[int], finished: bool) -> tuple[list[int], str, bool]:
+        """Add one step's ``ids`` (``finished``: the engine ended the request with them) -> (the
+        ids kept, the new text, whether a stop string ended the request here: then only the ids
+        through the token that completes it are kept)."""
+        if self.finished:
+            raise RuntimeError("RequestText.push after the request finished")
+        d = self.detok
+        before = len(d.ids)
+        d.push(ids)
+        text = d.text
+        stopped = False
+        if self.stop:
+            lo = max(0, self.emitted - self._longest)
+            hits = [(i, len(s)) for i, s in ((text.find(s, lo), s) for s in self.stop) if i >= 0]
+            if hits:
+                cut, n_stop = min(hits)
+                d.text = text = text[:cut]
+                keep = self._tokens_through(before, len(ids), cut + n_stop)
+                del d.ids[before + keep:]
+                ids, stopped = ids[:keep], True
+        self.finished = finished or stopped
+        upto = len(text) if self.finished else max(self.emitted, len(text) - self._hold)
+        delta = text[self.emitted:upto]
+        self.emitted = upto
+        return ids, delta, stopped
+
+    def _tokens_through(self, before: int, n_new: int, end: int) -> int:
+        """How many of the ``n_new`` ids after the first ``before`` it takes for the text to reach
+        ``end`` characters (the token that completes a stop string is the last one kept)."""
+        d = self.detok
+        for j in range(1, n_new):
+            text = d.tok.decode(d.ids[:before + j], skip_special_tokens=d.skip)
+            if len(text.rstrip("\ufffd")) >= end:     # a split UTF-8 character is not there yet
+                return j
+        return n_new

@@ -29,7 +29,7 @@ from dart_ray.config import DecodingConfig, EngineConfig, SamplingParams
 from dart_ray.drafters.base import BatchView, Drafter
 from dart_ray.engine.controller import SpeculationController
 from dart_ray.engine.cost import TOKEN_GRID, CostModel, batch_grid, load_or_measure
-from dart_ray.engine.detok import IncrementalDetokenizer
+from dart_ray.engine.detok import RequestText
 from dart_ray.engine.metrics import EngineStats
 from dart_ray.engine.request import Completion, Request, RequestOutput
 from dart_ray.hardware import DTypeChoice, Fingerprint
@@ -260,8 +260,7 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
-        req = Request(request_id=rid, prompt_ids=ids, params=params,
-                      detok=IncrementalDetokenizer(self.tokenizer), generator=gen,
+        req = Request(request_id=rid, prompt_ids=ids, params=params, generator=gen,
                       stop_ids=frozenset(stop_ids))
         self.requests[rid] = req
         self.waiting.append(req)
@@ -288,15 +287,23 @@ class Engine:
         return len(self.running)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, detokenize: bool = True) -> list[RequestOutput]:
+        """One engine step: admit waiting requests (prefill) and decode the running ones; returns
+        each request's delta.
+
+        ``detokenize``: the deltas carry their text, and stop strings end requests here (the
+        synchronous API). False: token ids only (``new_text`` empty), the step ends requests on
+        stop ids and length limits only; the consumer makes the text and applies stop strings
+        with a :class:`~dart_ray.engine.detok.RequestText` per request, off this step loop, and
+        aborts a request a stop string ended (:class:`~dart_ray.engine.AsyncEngine` does)."""
         outputs: list[RequestOutput] = []
         if self.waiting and len(self.running) < self.max_batch:
-            self._admit(outputs)
+            self._admit(outputs, detokenize)
         if self.running:
-            self._decode(outputs)
+            self._decode(outputs, detokenize)
         return outputs
 
-    def _admit(self, outputs: list[RequestOutput]) -> None:
+    def _admit(self, outputs: list[RequestOutput], detokenize: bool) -> None:
         t0 = time.perf_counter()
         n = min(self.max_batch - len(self.running), len(self.waiting))
         new = [self.waiting.popleft() for _ in range(n)]
@@ -332,12 +339,12 @@ class Engine:
         self.metrics.prefill_s += time.perf_counter() - t0
         finished = []
         for i, r in enumerate(new):
-            if self._emit(r, [first[i]], outputs):
+            if self._emit(r, [first[i]], outputs, detokenize):
                 finished.append(r)
         if finished:
             self._release(finished)
 
-    def _decode(self, outputs: list[RequestOutput]) -> None:
+    def _decode(self, outputs: list[RequestOutput], detokenize: bool) -> None:
         m = self.metrics
         reqs = self.running
         B = len(reqs)
@@ -385,7 +392,7 @@ class Engine:
             r.stats.record(n_draft[b], k)
             m.record_row(n_draft[b], k, depth[b])
             r.root = bonus[b]
-            if self._emit(r, path_tokens[b][1:k + 1] + [bonus[b]], outputs):
+            if self._emit(r, path_tokens[b][1:k + 1] + [bonus[b]], outputs, detokenize):
                 finished.append(r)
         if finished:
             self._release(finished)
@@ -440,60 +447,38 @@ class Engine:
         return toks
 
     # ---- emission / stop conditions ---------------------------------------------------------
-    def _emit(self, r: Request, new_ids: list[int], outputs: list[RequestOutput]) -> bool:
+    def _emit(self, r: Request, new_ids: list[int], outputs: list[RequestOutput],
+              detokenize: bool) -> bool:
         """Append tokens to ``r`` honouring stop conditions; stream a delta. True if finished.
 
         Token ids, usage and text agree for every finish reason: tokens after a stop id, after
-        ``max_new_tokens``, past ``max_model_len``, or after the token that completes a stop string
-        are dropped (a step may have accepted several)."""
+        ``max_new_tokens``, past ``max_model_len``, or (``detokenize``) after the token that
+        completes a stop string are dropped (a step may have accepted several)."""
         p = r.params
         kept: list[int] = []
         reason = None
         for t in new_ids:
             kept.append(t)
-            r.output_ids.append(t)
             if t in r.stop_ids:
                 reason = "stop"
                 break
-            if len(r.output_ids) >= p.max_new_tokens or \
-                    len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
+            if len(r.output_ids) + len(kept) >= p.max_new_tokens or \
+                    len(r.prompt_ids) + len(r.output_ids) + len(kept) >= self.max_model_len:
                 reason = "length"
                 break
-        r.detok.push(kept)
-        text = r.detok.text
-        if p.stop:
-            lo = max(0, r.emitted_text_len - max(len(s) for s in p.stop))
-            hits = [(i, len(s)) for i, s in ((text.find(s, lo), s) for s in p.stop) if i >= 0]
-            if hits:
-                cut, n_stop = min(hits)
-                r.detok.text = text = text[:cut]
+        text = ""
+        if detokenize:
+            if r.text is None:
+                r.text = RequestText(self.tokenizer, p.stop)
+            kept, text, stopped = r.text.push(kept, reason is not None)
+            if stopped:
                 reason = "stop"
-                keep = self._tokens_through(r, len(kept), cut + n_stop)
-                if keep < len(kept):
-                    del r.output_ids[keep - len(kept):]
-                    kept = kept[:keep]
+        r.output_ids += kept
         self.metrics.generated_tokens += len(kept)
         if reason:
             r.finished, r.finish_reason = True, reason
-            upto = len(text)
-        else:
-            hold = max((len(s) for s in p.stop), default=1) - 1
-            upto = max(r.emitted_text_len, len(text) - hold)
-        delta = text[r.emitted_text_len:upto]
-        r.emitted_text_len = upto
-        outputs.append(self._output(r, kept, delta))
+        outputs.append(self._output(r, kept, text))
         return r.finished
-
-    def _tokens_through(self, r: Request, n_new: int, end: int) -> int:
-        """How many of the last ``n_new`` output tokens it takes for the text to reach ``end``
-        characters (the token that completes a stop string is the last one kept)."""
-        before = len(r.output_ids) - n_new
-        for j in range(1, n_new):
-            text = self.tokenizer.decode(r.output_ids[:before + j],
-                                         skip_special_tokens=r.detok.skip)
-            if len(text.rstrip("\ufffd")) >= end:     # a split UTF-8 character is not there yet
-                return j
-        return n_new
 
     def _output(self, r: Request, ids: list[int], text: str) -> RequestOutput:
         return RequestOutput(request_id=r.request_id, new_token_ids=ids, new_text=text,

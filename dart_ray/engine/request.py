@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 
 from dart_ray.config import SamplingParams
-from dart_ray.engine.detok import IncrementalDetokenizer
+from dart_ray.engine.detok import RequestText
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -86,7 +86,6 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    detok: IncrementalDetokenizer
     generator: torch.Generator | None
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
@@ -96,6 +95,6 @@ class Request:
     """Next root token (generated, not yet in the target cache)."""
     finished: bool = False
     finish_reason: FinishReason | None = None
-    emitted_text_len: int = 0
-    """Characters of detok.text already streamed (text is held back while it may start a stop
-    string)."""
+    text: RequestText | None = None
+    """Its text, when the engine's own :meth:`~dart_ray.engine.Engine.step` makes it (the
+    synchronous API); None while its consumer detokenises (:class:`AsyncEngine`)."""

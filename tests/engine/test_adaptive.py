@@ -392,16 +392,14 @@ def test_controller_biases_unknowns_toward_plain_steps():
 
 def test_stop_trim_keeps_a_split_utf8_character(tiny):
     """A stop string whose last character spans several byte-level tokens keeps all of them."""
-    from types import SimpleNamespace
+    from dart_ray.engine.detok import RequestText
 
-    eng = make_engine(tiny, "none", None, batch=1)
     tok = tiny.tokenizer
     stop = "\U0001F642"                                              # an emoji: several byte tokens
     assert len(tok.encode(stop, add_special_tokens=False)) > 1
     ids = tok.encode("ok " + stop + " then more words", add_special_tokens=False)
-    text = tok.decode(ids, skip_special_tokens=True)
-    end = text.index(stop) + len(stop)
-    keep = eng._tokens_through(SimpleNamespace(output_ids=ids, detok=SimpleNamespace(skip=True)),
-                               len(ids), end)
+    kept, text, stopped = RequestText(tok, (stop,)).push(ids, False)  # one step brought them all
+    keep = len(kept)
+    assert stopped and kept == ids[:keep] and text == "ok "
     assert stop in tok.decode(ids[:keep], skip_special_tokens=True)
     assert stop not in tok.decode(ids[:keep - 1], skip_special_tokens=True)

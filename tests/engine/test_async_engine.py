@@ -206,11 +206,11 @@ def test_step_error_fails_in_flight_and_keeps_serving(tiny_llama):
                 real = e.step
                 state = {"n": 0}
 
-                def step():
+                def step(**kw):
                     state["n"] += 1
                     if state["n"] == 3:
                         raise RuntimeError("boom")
-                    return real()
+                    return real(**kw)
                 e.step = step
 
             await aeng.call(sabotage)
@@ -375,3 +375,43 @@ def test_lane_count_is_bounded(tiny_llama):
         assert len(aeng.lanes) == 2
     finally:
         aeng.shutdown()
+
+
+def test_text_is_made_off_the_engine_thread_and_stop_strings_end_requests_there(tiny_llama):
+    """The engine thread computes token ids only: no detokenising runs on it. A stop string found
+    on the event loop ends the request exactly as the synchronous engine does (the text before it,
+    the ids through the token that completes it), frees its row, and the engine's generated-token
+    count keeps only the tokens returned (not those of a step run before the abort arrived)."""
+    prompt = PROMPTS[3]
+    plain = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    ref = Engine.from_config(_cfg(tiny_llama, "ngram", max_batch_size=1))
+    full = ref.generate(prompt, plain)[0]
+    mid = len(full.text) // 2
+    stop = next(full.text[i:i + 2] for i in range(mid, len(full.text) - 1)
+                if full.text[i:i + 2].strip())
+    sp = SamplingParams(max_new_tokens=32, stop=(stop,), ignore_eos=True)
+    want = ref.generate(prompt, sp)[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) < len(full.token_ids)
+
+    aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama, "ngram")))
+    tok = aeng.engine.tokenizer
+    decode, threads = tok.decode, []
+
+    def spy(*a, **kw):
+        threads.append(threading.current_thread())
+        return decode(*a, **kw)
+
+    tok.decode = spy
+    try:
+        stopped = asyncio.run(_drain(aeng.stream(prompt, sp)))
+        whole = asyncio.run(_drain(aeng.stream(prompt, plain)))
+        running, generated = asyncio.run(
+            aeng.call(lambda e: (e.num_running, e.metrics.generated_tokens)))
+    finally:
+        aeng.shutdown()
+    ids, text, last = stopped
+    assert (ids, text, last.finish_reason) == (want.token_ids, want.text, "stop")
+    assert last.finished and last.num_generated_tokens == len(want.token_ids)
+    assert whole[0] == full.token_ids and whole[1] == full.text
+    assert threads and aeng._thread not in threads
+    assert running == 0 and generated == len(want.token_ids) + len(full.token_ids)
