@@ -41,6 +41,19 @@ def tiny_hf_config(family: str, **overrides):
     return cfg
 
 
+def spread_weights(model: torch.nn.Module, std: float, bias_std: float) -> None:
+    """Random weights with more spread than an init, so logits are not all near-ties: matrices
+    N(0, std), biases N(0, bias_std), norm scales U(0.8, 1.2)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+            elif "bias" in name:
+                p.normal_(0.0, bias_std)
+            else:
+                p.uniform_(0.8, 1.2)
+
+
 def make_tiny_checkpoint(out: Path, family: str, tokenizer_dir: Path | None, seed: int = 0,
                          **overrides) -> Path:
     """Save a random HF model of ``family`` (and SmolLM2's tokenizer) into ``out``."""
@@ -49,15 +62,7 @@ def make_tiny_checkpoint(out: Path, family: str, tokenizer_dir: Path | None, see
     torch.manual_seed(seed)
     cfg = tiny_hf_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    # random weights with a little more spread than the init, so logits are not all near-ties
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-            elif "bias" in name:
-                p.normal_(0.0, 0.05)
-            else:
-                p.uniform_(0.8, 1.2)
+    spread_weights(model, 0.08, 0.05)
     model.save_pretrained(str(out), safe_serialization=True)
     if tokenizer_dir is not None:
         for f in tokenizer_dir.iterdir():

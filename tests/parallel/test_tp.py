@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import spread_weights
 
 from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
 from dart_ray.masks import attention_mask, causal_ancestors
@@ -48,14 +49,7 @@ def random_model(seed: int = 0, **overrides) -> Transformer:
     shape.update(overrides)
     torch.manual_seed(seed)
     model = Transformer(ModelArgs(**shape), max_seq_len=64)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.15)
-            elif "bias" in name:
-                p.normal_(0.0, 0.1)
-            else:
-                p.uniform_(0.8, 1.2)
+    spread_weights(model, 0.15, 0.1)
     return model.eval().requires_grad_(False)
 
 

@@ -355,18 +355,11 @@ def toy_step_inputs(prefix: tuple[int, ...]) -> tuple[TokenTree, torch.Tensor]:
 Sampler = Callable[..., Acceptance]
 
 
-def emit(
-    sampler: Sampler,
-    n_rows: int,
-    n_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    seed: int,
-) -> list[tuple[int, ...]]:
-    """Run ``n_rows`` independent generations until each has ``n_tokens`` tokens; rows sharing a
-    prefix are verified together as one batch of identical trees."""
-    gen = torch.Generator().manual_seed(seed)
+def run_grouped(n_rows: int, n_tokens: int,
+                step: Callable[[tuple[int, ...], int], tuple[Acceptance, TokenTree]]
+                ) -> list[tuple[int, ...]]:
+    """Run ``n_rows`` independent generations until each has ``n_tokens`` tokens; each round, rows
+    sharing a prefix are verified together: ``step(prefix, B)`` -> (acceptance, tree) of B rows."""
     out: list[list[int]] = [[] for _ in range(n_rows)]
     while True:
         groups: dict[tuple[int, ...], list[int]] = {}
@@ -376,14 +369,30 @@ def emit(
         if not groups:
             return [tuple(t[:n_tokens]) for t in out]
         for prefix, rows in groups.items():
-            t1, lg1 = toy_step_inputs(prefix)
-            B = len(rows)
-            tree = TokenTree(
-                *(t.expand(B, -1) for t in (t1.tokens, t1.parents, t1.depths, t1.valid))
-            )
-            acc = sampler(tree, lg1.expand(B, -1, -1), temperature, top_k, top_p, [gen] * B)
+            acc, tree = step(prefix, len(rows))
             for r, toks in zip(rows, emitted(acc, tree), strict=True):
                 out[r].extend(toks)
+
+
+def emit(
+    sampler: Sampler,
+    n_rows: int,
+    n_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+) -> list[tuple[int, ...]]:
+    """``n_rows`` generations of ``n_tokens``, each group of rows verifying one batch of identical
+    trees with ``sampler``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def step(prefix: tuple[int, ...], B: int) -> tuple[Acceptance, TokenTree]:
+        t1, lg1 = toy_step_inputs(prefix)
+        tree = TokenTree(*(t.expand(B, -1) for t in (t1.tokens, t1.parents, t1.depths, t1.valid)))
+        return sampler(tree, lg1.expand(B, -1, -1), temperature, top_k, top_p, [gen] * B), tree
+
+    return run_grouped(n_rows, n_tokens, step)
 
 
 def exact_joint(
@@ -563,33 +572,25 @@ def emit_sps(n_rows: int, temperature: float, top_k: int, top_p: float, seed: in
     """Rows draw a chain of GAMMA tokens from q and verify it with sample_accept; ``q_seen`` is the
     q handed to the acceptance rule (identity for the real rule)."""
     gen = torch.Generator().manual_seed(seed)
-    out: list[list[int]] = [[] for _ in range(n_rows)]
-    while True:
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for r, toks in enumerate(out):
-            if len(toks) < N_TOKENS:
-                groups.setdefault(ROOT_PREFIX + tuple(toks), []).append(r)
-        if not groups:
-            return [tuple(t[:N_TOKENS]) for t in out]
-        for prefix, rows in groups.items():
-            B = len(rows)
-            chains = torch.zeros(B, GAMMA, dtype=torch.long)
-            q = torch.zeros(B, GAMMA + 1, SV)
-            logits = torch.zeros(B, GAMMA + 1, SV)
-            for i in range(len(rows)):
-                pre = prefix
-                logits[i, 0] = _toy(pre)[0]
-                for j in range(GAMMA):
-                    qj = _toy_q(pre)
-                    x = int(torch.multinomial(qj, 1, generator=gen))
-                    chains[i, j], q[i, j + 1] = x, q_seen(qj)
-                    pre = pre + (x,)
-                    logits[i, j + 1] = _toy(pre)[0]
-            base = chain_tree(torch.full((B,), prefix[-1]), chains)
-            tree = TokenTree(base.tokens, base.parents, base.depths, base.valid, q)
-            acc = sample_accept(tree, logits, temperature, top_k, top_p, [gen] * B)
-            for r, toks in zip(rows, emitted(acc, tree), strict=True):
-                out[r].extend(toks)
+
+    def step(prefix: tuple[int, ...], B: int) -> tuple[Acceptance, TokenTree]:
+        chains = torch.zeros(B, GAMMA, dtype=torch.long)
+        q = torch.zeros(B, GAMMA + 1, SV)
+        logits = torch.zeros(B, GAMMA + 1, SV)
+        for i in range(B):
+            pre = prefix
+            logits[i, 0] = _toy(pre)[0]
+            for j in range(GAMMA):
+                qj = _toy_q(pre)
+                x = int(torch.multinomial(qj, 1, generator=gen))
+                chains[i, j], q[i, j + 1] = x, q_seen(qj)
+                pre = pre + (x,)
+                logits[i, j + 1] = _toy(pre)[0]
+        base = chain_tree(torch.full((B,), prefix[-1]), chains)
+        tree = TokenTree(base.tokens, base.parents, base.depths, base.valid, q)
+        return sample_accept(tree, logits, temperature, top_k, top_p, [gen] * B), tree
+
+    return run_grouped(n_rows, N_TOKENS, step)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", CONFIGS)
