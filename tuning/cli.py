@@ -18,6 +18,8 @@ from dart_ray.config import add_engine_args
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tuning.settings import TuneSettings
+
     p = argparse.ArgumentParser(
         prog="dart-ray tune",
         description="Tune DART decoding knobs for throughput per batch size (Ray Tune + Optuna + "
@@ -67,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share held out for evaluation (default 0.25)")
     w.add_argument("--prompts-per-trial", type=int, default=None,
                    help="prompts measured per trial (default max(8, 2 x batch size))")
-    w.add_argument("--reports-per-trial", type=int, default=4,
-                   help="incremental reports per trial (ASHA rungs)")
+    w.add_argument("--reports-per-trial", type=int, default=TuneSettings.reports_per_trial,
+                   help="incremental reports per trial (ASHA rungs at 1, 2, 4, ... reports)")
     w.add_argument("--check-prompts", type=int, default=2,
                    help="prompts checked against AR per trial")
     w.add_argument("--check-tokens", type=int, default=None,

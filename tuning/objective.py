@@ -3,15 +3,7 @@ time).
 
 One trial = one :class:`~dart_ray.DecodingConfig` at one batch size, measured **as it is served**:
 
-1. **Exactness gate.** Greedy outputs for a few check prompts, decoded with the trial's config at
-   the trial's batch size, must equal plain AR outputs token for token. The AR references are
-   computed once per worker (AR engine sharing the check target's weights). A mismatch raises
-   :class:`ExactnessError`: the trial errors, it never becomes a result. When the measuring
-   engine runs in bf16/fp16 the check runs on an fp32 copy of the same target + drafter
-   (``check_dtype``), because half-precision tree-vs-chain logits differ by rounding alone and
-   would flag benign near-ties; the knobs under test are dtype-independent. (The check decodes a
-   fixed number of tokens, ignoring EOS, so it compares as many tokens as it can.)
-2. **Throughput of the workload as served.** The trial's prompts are streamed through the
+1. **Throughput of the workload as served.** The trial's prompts are streamed through the
    long-lived engine with at most ``batch_size`` requests in flight (a request joins as soon as
    one finishes — continuous batching, as the server runs). EOS is honoured and answers have
    their natural lengths, capped at ``max_new_tokens`` (never forced). Throughput = generated
@@ -19,14 +11,27 @@ One trial = one :class:`~dart_ray.DecodingConfig` at one batch size, measured **
    and the adaptive controller. Per-request latency (admission to last token) gives the p95 used
    by the multi-objective search. After every ``report_every`` finished requests the cumulative
    throughput is reported (``ray.tune.report``) so ASHA can stop poor trials early; the final
-   (complete) report waits for the load check below. Time spent inside ``report`` is not counted.
-3. **Load detection.** Around the measurement the worker times a short fixed-length plain AR
+   (complete) report waits for the load check and the exactness gate below. Time spent inside
+   ``report`` is not counted.
+2. **Load detection.** Around the measurement the worker times a short fixed-length plain AR
    decode (:class:`LoadProbe`; ``load_probe_tokens``). Its reference is the fastest probe this
-   worker has seen (an idle machine is the fastest state). When a probe is more than
-   ``load_threshold`` slower than the reference, the measurement is re-run once (probes again);
+   worker has seen (an idle machine is the fastest state). The opening probe is the previous
+   trial's closing one when that is under :data:`PROBE_REUSE_S` old (consecutive trials of a
+   reused actor: only Tune's hand-over lies between them). When a probe is more than
+   ``load_threshold`` slower than the reference, the measurement is re-run once (probing anew);
    if the machine is still loaded the result carries ``load_flag=True`` and the driver does not
-   pick it as the best trial (see ``tuning.study``). ``load_drift``, ``ar_probe_tps`` and ``reruns``
-   are always reported.
+   pick it as the best trial (see ``tuning.study``). ``load_drift``, ``ar_probe_tps`` and
+   ``reruns`` are always reported.
+3. **Exactness gate**, for a trial that survived every ASHA rung (a stopped trial never becomes
+   a result, so checking it would only spend the tuning budget). Greedy outputs for a few check
+   prompts, decoded with the trial's config at the trial's batch size, must equal plain AR
+   outputs token for token. The AR references are computed once per worker (AR engine sharing
+   the check target's weights). A mismatch raises :class:`ExactnessError`: the trial errors
+   before its final report, so it never becomes a result. When the measuring engine runs in
+   bf16/fp16 the check runs on an fp32 copy of the same target + drafter (``check_dtype``),
+   because half-precision tree-vs-chain logits differ by rounding alone and would flag benign
+   near-ties; the knobs under test are dtype-independent. (The check decodes a fixed number of
+   tokens, ignoring EOS, so it compares as many tokens as it can.)
 
 **Engine reuse.** The engine lives in a module-level cache of the worker process, keyed by the
 structural :class:`~dart_ray.EngineConfig` (everything but the decoding knobs). Tune runs with
@@ -52,6 +57,8 @@ METRIC = "tokens_per_s"
 P95_METRIC = "p95_latency_s"
 """Second objective of ``--objective throughput+p95`` (minimised)."""
 PROBE_PROMPT = "The history of computing began with"
+PROBE_REUSE_S = 10.0
+"""A load probe this recent (seconds) opens the next trial instead of a new probe."""
 
 
 class ExactnessError(RuntimeError):
@@ -210,6 +217,8 @@ class LoadProbe:
     """The fastest probe so far (tokens/s): this worker's idle-machine speed."""
     last: float | None = None
     """The latest probe (tokens/s)."""
+    at: float | None = None
+    """When the latest probe ended (``time.monotonic()``)."""
 
     def measure(self, ar_engine: Engine) -> float | None:
         """Best of two probes, tokens/s; updates ``reference``. None when disabled."""
@@ -222,6 +231,7 @@ class LoadProbe:
             ar_engine.generate(PROBE_PROMPT, params)
             best = min(best, time.perf_counter() - t0)
         self.last = self.tokens / max(best, 1e-9)
+        self.at = time.monotonic()
         self.reference = self.last if self.reference is None else max(self.reference, self.last)
         return self.last
 
@@ -268,10 +278,15 @@ class WorkerState:
                                         cfg.replace(method="none", max_batch_size=1))
         return self._probe_engine
 
-    def measure_load(self, tokens: int) -> float | None:
-        """One load probe (tokens/s of plain AR here and now); None when ``tokens`` is 0."""
-        self.probe.tokens = tokens
-        return self.probe.measure(self.probe_engine)
+    def measure_load(self, tokens: int, reuse_within_s: float = 0.0) -> float | None:
+        """One load probe (tokens/s of plain AR here and now); None when ``tokens`` is 0. The
+        latest probe stands in when it probed as many tokens under ``reuse_within_s`` ago."""
+        p = self.probe
+        if (reuse_within_s > 0 and p.tokens == tokens and p.last is not None and p.at is not None
+                and time.monotonic() - p.at <= reuse_within_s):
+            return p.last
+        p.tokens = tokens
+        return p.measure(self.probe_engine)
 
     @property
     def check_batch(self) -> int:
@@ -360,22 +375,25 @@ def _metrics(eng: Engine, job: TrialJob, res: StreamResult, done: int, n: int) -
 
 def evaluate_config(state: WorkerState, decoding: DecodingConfig, job: TrialJob,
                     report: Callable[[dict], None] | None = None) -> dict:
-    """Gate on exactness, then measure the workload (re-run once under load); ``report`` receives
-    incremental metrics and, last, the final result (which is also returned)."""
+    """Measure the workload (re-run once under load), then gate on exactness; ``report`` receives
+    incremental metrics and, last, the final result (which is also returned). A trial that ASHA
+    stops ends inside ``report`` and is never gated (it is never a result)."""
     import torch
 
     if job.num_threads:
         torch.set_num_threads(job.num_threads)
-    state.check_exact(decoding, job.check_prompts, job.check_params(), job.batch_size, job.chat)
     result, drift, reruns = {}, 0.0, 0
     for attempt in range(2):
-        before = state.measure_load(job.load_probe_tokens)
+        # the first attempt may open with the previous trial's closing probe; a re-run probes anew
+        before = state.measure_load(job.load_probe_tokens,
+                                    reuse_within_s=PROBE_REUSE_S if attempt == 0 else 0.0)
         result = _measure(state, decoding, job, report if attempt == 0 else None)
         after = state.measure_load(job.load_probe_tokens)
         drift = max(state.probe.slowdown(before), state.probe.slowdown(after))
         if drift <= job.load_threshold:
             break
         reruns = 1 if attempt == 0 else reruns        # loaded: measure once more, then flag
+    state.check_exact(decoding, job.check_prompts, job.check_params(), job.batch_size, job.chat)
     result.update({"load_drift": drift, "load_flag": drift > job.load_threshold, "reruns": reruns,
                    "ar_probe_tps": state.probe.last, "ar_reference_tps": state.probe.reference})
     if report is not None:

@@ -2,7 +2,12 @@
 storage, resumed if it exists; see ``tuning.study``) driven through Ray Tune: a fresh study gets the
 warm-start knobs, then the default, as its first trials; ``Tuner(with_resources(trainable),
 OptunaSearch(study) + ASHA, reuse_actors=True, num_samples = target - finished, time_budget_s =
-share of what is left)``. Each batch size yields a :class:`BatchResult` for ``tuning.choose``."""
+share of what is left)``. Each batch size yields a :class:`BatchResult` for ``tuning.choose``.
+
+**Time.** Batch sizes are searched from the cheapest trial to the dearest (:func:`search_order`);
+each gets an equal share of the time left when it starts, and what it does not use passes on. At
+bs 1 a trial decodes its prompts one at a time, so it costs several times a bs 4 trial: searched
+last, it inherits the time the cheaper sizes saved instead of stopping at half the budget."""
 
 from __future__ import annotations
 
@@ -95,11 +100,31 @@ def _trial_job(run: TuneRun, b: int, n_trial: int, report_every: int, check: tup
                     load_threshold=s.load_threshold)
 
 
-def search_batch_size(run: TuneRun, storage, index: int, b: int,
+def trial_prompts(run: TuneRun, b: int) -> int:
+    """Prompts one trial of batch size ``b`` measures."""
+    return min(len(run.tune_prompts), run.settings.prompts_per_trial or max(8, 2 * b))
+
+
+def trial_cost(run: TuneRun, b: int) -> float:
+    """A trial's predicted cost at batch size ``b``, relative to the other sizes: its rounds of
+    ``b`` answers (ceil(prompts / b)) x the engine's measured plain-step seconds at ``b``; the
+    rounds alone when the engine has no cost model."""
+    rounds = math.ceil(trial_prompts(run, b) / b)
+    step = run.engine.step_cost_s(b)
+    return rounds * (step if step is not None else 1.0)
+
+
+def search_order(run: TuneRun) -> list[int]:
+    """The batch sizes from the cheapest trial to the dearest (ties: the smaller batch first)."""
+    return sorted(run.settings.batch_sizes, key=lambda b: (trial_cost(run, b), b))
+
+
+def search_batch_size(run: TuneRun, storage, b: int, sizes_left: int,
                       callbacks: Sequence) -> BatchResult:
-    """Prepare (or resume) the study of batch size ``b`` and run its missing trials."""
+    """Prepare (or resume) the study of batch size ``b`` and run its missing trials in an equal
+    share of the time left among ``sizes_left`` batch sizes (this one included)."""
     s, log = run.settings, run.log
-    n_trial = min(len(run.tune_prompts), s.prompts_per_trial or max(8, 2 * b))
+    n_trial = trial_prompts(run, b)
     report_every = max(1, math.ceil(n_trial / s.reports_per_trial))
     n_reports = math.ceil(n_trial / report_every)
     check = tuple(run.tune_prompts[:max(0, s.check_prompts)])
@@ -124,7 +149,7 @@ def search_batch_size(run: TuneRun, storage, index: int, b: int,
     ran = 0
     if status.remaining > 0:
         left_for_tune = run.deadline.left() - (s.time_budget_s or 0) * EVAL_RESERVE
-        budget = None if s.time_budget_s is None else left_for_tune / (len(s.batch_sizes) - index)
+        budget = None if s.time_budget_s is None else left_for_tune / sizes_left
         if budget is not None and budget < 5:
             log(f"[bs={b}] skipped: time budget exhausted")
         else:
@@ -179,10 +204,16 @@ def _run_batch_size(run: TuneRun, b: int, job: TrialJob, status: studies.StudySt
 
 
 def search(run: TuneRun, callbacks: Sequence = ()) -> list[BatchResult]:
-    """Every batch size's study, in order (each resumes from the storage)."""
+    """Every batch size's study (each resumes from the storage), cheapest trials first; the
+    results come back in the settings' order."""
     storage = studies.open_storage(run.settings.storage_url)
-    return [search_batch_size(run, storage, i, b, callbacks)
-            for i, b in enumerate(run.settings.batch_sizes)]
+    order = search_order(run)
+    if order != list(run.settings.batch_sizes):
+        run.log("search order, cheapest trials first: "
+                + ", ".join(f"bs {b} ({trial_cost(run, b):.2g})" for b in order))
+    done = {b: search_batch_size(run, storage, b, len(order) - i, callbacks)
+            for i, b in enumerate(order)}
+    return [done[b] for b in run.settings.batch_sizes]
 
 
 def _counts(study) -> dict:

@@ -54,8 +54,11 @@ class TuneSettings:
     """Share of the sampled prompts held out for the default-vs-tuned evaluation."""
     prompts_per_trial: int | None = None
     """Prompts measured per trial; default max(8, 2 * batch size), capped by the tune split."""
-    reports_per_trial: int = 4
-    """Incremental throughput reports per trial (ASHA rungs)."""
+    reports_per_trial: int = 8
+    """Incremental throughput reports per trial; ASHA's rungs sit at 1, 2, 4, ... reports. With
+    the default 8 prompts per trial that is a report per finished answer, so a poor trial stops
+    after one answer (every trial answers the same prompts in the same order, so the rungs compare
+    like with like)."""
     check_prompts: int = 2
     """Prompts per trial checked token-for-token against AR (exactness gate)."""
     check_tokens: int | None = None

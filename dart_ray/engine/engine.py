@@ -570,6 +570,17 @@ class Engine:
                                   first_token_s=st["first"]))
         return out
 
+    def step_cost_s(self, batch_size: int, tokens_per_row: int = 1) -> float | None:
+        """Predicted seconds of one target forward over ``batch_size`` rows x ``tokens_per_row``
+        new tokens on this machine (the adaptive controller's measured cost model; a plain step
+        is ``tokens_per_row=1``). None when the engine has no cost model (not adaptive, or no
+        drafter)."""
+        if batch_size < 1 or tokens_per_row < 1:
+            raise ValueError("batch_size and tokens_per_row must be >= 1")
+        if self.controller is None:
+            return None
+        return self.controller.cost.verify_s(batch_size, tokens_per_row)
+
     def stats(self) -> EngineStats:
         return self.metrics
 

@@ -148,7 +148,8 @@ def test_exactness_violation_raises(tiny_model, monkeypatch):
     monkeypatch.setattr(state.check_engine, "_accept", broken_accept)
     with pytest.raises(ExactnessError, match="breaks exactness"):
         evaluate_config(state, dec, job, report=seen.append)
-    assert len(seen) == n_reports                              # nothing reported for the broken run
+    # the gate closes the trial: ASHA may have seen its rungs, but it never becomes a result
+    assert len(seen) > n_reports and not any(r["complete"] for r in seen[n_reports:])
 
 
 def test_half_precision_engine_is_checked_in_fp32(tiny_model):
@@ -174,10 +175,10 @@ _DEFAULT_KNOBS: dict = {}
 
 
 class Interrupt(tune.Callback):
-    """Aborts the tune driver once the 2nd trial at batch size 2 reports (a crash mid-trial)."""
+    """Aborts the tune driver once the 2nd trial at batch size 1 reports (a crash mid-trial)."""
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
-        if result.get("batch_size") == 2 and trial.config != _DEFAULT_KNOBS:
+        if result.get("batch_size") == 1 and trial.config != _DEFAULT_KNOBS:
             raise RuntimeError("simulated interruption")
 
 
@@ -210,30 +211,35 @@ def test_tune_interrupt_resume_extend_profile(tiny_model, prompts_file, tmp_path
     out_dir = tmp_path / "tune"
     lines: list[str] = []
 
-    # 1) interrupted while the 2nd trial at batch size 2 runs
+    # 1) interrupted while the 2nd trial at batch size 1 runs. Batch size 2 went first: a trial
+    #    there decodes its 2 prompts in one round, at bs 1 in two (cheapest trials first)
     with pytest.raises(Exception, match="simulated interruption"):  # Tune wraps it in a TuneError
         run_tune(_settings(tiny_model, prompts_file, out_dir, trials=3), callbacks=[Interrupt()],
                  log=lines.append)
+    assert any(ln.startswith("search order, cheapest trials first: bs 2") for ln in lines)
     s1, s2 = _study(out_dir, 1), _study(out_dir, 2)
-    assert len(st.finished_trials(s1)) == 3 and len(st.finished_trials(s2)) == 1
-    assert s1.trials[0].user_attrs.get("is_default") and s1.trials[0].state == TrialState.COMPLETE
-    assert s1.trials[0].params == _DEFAULT_KNOBS                          # defaults evaluated first
-    pids = {t.user_attrs["worker_pid"] for t in s1.trials}
+    assert len(st.finished_trials(s2)) == 3 and len(st.finished_trials(s1)) == 1
+    for s in (s1, s2):                                                  # defaults evaluated first
+        assert s.trials[0].user_attrs.get("is_default") and s.trials[0].state == TrialState.COMPLETE
+        assert s.trials[0].params == _DEFAULT_KNOBS
+    pids = {t.user_attrs["worker_pid"] for t in s2.trials}
     # engine reused
-    assert len(pids) == 1 and {t.user_attrs["engine_builds"] for t in s1.trials} == {1}
-    interrupted = [t for t in s2.trials if st.is_interrupted(t)]
+    assert len(pids) == 1 and {t.user_attrs["engine_builds"] for t in s2.trials} == {1}
+    interrupted = [t for t in s1.trials if st.is_interrupted(t)]
     assert len(interrupted) == 1
-    waiting = s2.get_trials(states=(TrialState.WAITING,))
+    waiting = s1.get_trials(states=(TrialState.WAITING,))
     # its point is re-enqueued
     assert [st.queued_params(t) for t in waiting] == [interrupted[0].params]
     assert not (out_dir / "tiny.yaml").exists()
 
-    # 2) same command resumes: batch size 1 is done, batch size 2 runs only its 2 missing trials
+    # 2) same command resumes: batch size 2 is done, batch size 1 runs only its 2 missing trials
+    #    (results in the settings' order)
     out = run_tune(_settings(tiny_model, prompts_file, out_dir, trials=3), log=lines.append)
-    assert [r.ran_trials for r in out.results] == [0, 2]
-    s2 = _study(out_dir, 2)
-    assert len(st.finished_trials(s2)) == 3
-    assert s2.trials[-2].params == interrupted[0].params                 # the interrupted point ran
+    assert [r.batch_size for r in out.results] == [1, 2]
+    assert [r.ran_trials for r in out.results] == [2, 0]
+    s1 = _study(out_dir, 1)
+    assert len(st.finished_trials(s1)) == 3
+    assert s1.trials[-2].params == interrupted[0].params                 # the interrupted point ran
     assert any("1 finished, 2 to run" in ln for ln in lines)
 
     # the written profile loads (by path and by name) and drives an engine
@@ -354,3 +360,27 @@ def test_study_fingerprint_is_the_engine_fingerprint_plus_the_workload(tmp_path)
                    {"decoding": DecodingConfig(lookup_paths=0)}):
         other = study_fp(cfg.replace(**change))
         assert other != fp, change
+
+
+def test_batch_sizes_are_searched_cheapest_trial_first(tmp_path):
+    """Issue 15: an equal split of the budget left bs 1 (prompts decoded one at a time) with half
+    the time it needs. The cheapest sizes go first and pass their unused time on; the results
+    still come back in the settings' order."""
+    from types import SimpleNamespace
+
+    from tuning.runner import TuneSettings
+    from tuning.search import search_order, trial_cost, trial_prompts
+
+    s = TuneSettings(prompts="p.jsonl", workload="w", out=str(tmp_path / "w.yaml"),
+                     batch_sizes=(1, 4, 16))
+    steps = {1: 0.060, 4: 0.075, 16: 0.200}            # an AVX2 CPU's plain-step seconds
+    engine = SimpleNamespace(step_cost_s=lambda b: steps[b])
+    run = SimpleNamespace(settings=s, engine=engine, tune_prompts=[f"p{i}" for i in range(48)])
+    assert [trial_prompts(run, b) for b in (1, 4, 16)] == [8, 8, 32]
+    assert trial_cost(run, 1) == pytest.approx(8 * 0.060)     # 8 rounds of one answer
+    assert trial_cost(run, 4) == pytest.approx(2 * 0.075)     # 2 rounds of four
+    assert search_order(run) == [4, 16, 1]
+    run.engine = SimpleNamespace(step_cost_s=lambda b: None)  # no cost model: rounds alone
+    assert search_order(run) == [4, 16, 1]
+    run.tune_prompts = run.tune_prompts[:1]      # one round at every size: the smaller first
+    assert search_order(run) == [1, 4, 16]

@@ -374,3 +374,32 @@ def test_warm_started_p95_tune_writes_this_machines_fingerprint(tiny_model, tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProfileHardwareWarning)
         apply_profile(eng, str(out.profile_path))
+
+
+def test_a_fresh_closing_probe_opens_the_next_trial(worker, monkeypatch):
+    """Issue 15: consecutive trials share the probe between them (the previous trial's closing
+    probe opens the next one while it is fresh); a stale one, or a re-run, probes anew."""
+    import tuning.objective as obj
+
+    calls = []
+    real = obj.LoadProbe.measure
+
+    def counting(self, ar_engine):
+        calls.append(1)
+        return real(self, ar_engine)
+
+    monkeypatch.setattr(obj.LoadProbe, "measure", counting)
+    worker.probe = obj.LoadProbe()
+    dec = DecodingConfig(tree_budget=8, top_k=4, beam_width=3)
+    job = _job(load_threshold=0.99)                       # this test is about counts, not load
+    obj.evaluate_config(worker, dec, job)
+    assert len(calls) == 2                                # opening + closing probe
+    obj.evaluate_config(worker, dec, job)
+    assert len(calls) == 3                                # opened with the last trial's closing one
+    monkeypatch.setattr(obj, "PROBE_REUSE_S", 0.0)
+    obj.evaluate_config(worker, dec, job)
+    assert len(calls) == 5                                # too old: probed anew
+    worker.probe.at -= 60.0
+    assert worker.measure_load(job.load_probe_tokens, reuse_within_s=10.0) is not None
+    assert len(calls) == 6
+    worker.probe = obj.LoadProbe()
