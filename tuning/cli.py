@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--check-dtype", default="fp32",
                    help="dtype of the exactness check ('same' = the measuring engine's dtype)")
     w.add_argument("--eval-repeats", type=int, default=3, help="held-out runs per config (median)")
-    w.add_argument("--load-probe-tokens", type=int, default=16,
+    w.add_argument("--load-probe-tokens", type=int, default=TuneSettings.load_probe_tokens,
                    help="tokens of the AR load probe around each trial (0 disables load detection)")
-    w.add_argument("--load-threshold", type=float, default=0.15,
+    w.add_argument("--load-threshold", type=float, default=TuneSettings.load_threshold,
                    help="probe slowdown (share of the fastest) that marks a loaded machine: "
                         "re-run, then flag")
     r = p.add_argument_group("resources")

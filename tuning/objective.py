@@ -57,6 +57,10 @@ METRIC = "tokens_per_s"
 P95_METRIC = "p95_latency_s"
 """Second objective of ``--objective throughput+p95`` (minimised)."""
 PROBE_PROMPT = "The history of computing began with"
+LOAD_THRESHOLD = 0.3
+"""Default probe slowdown that means "under load". Idle probes on a 2-core KVM guest (AMD EPYC)
+spread up to 23 % below the fastest one (a 0.15 threshold flagged idle trials); a competing
+CPU-bound process on 2 cores slows the engine about 2x."""
 PROBE_REUSE_S = 10.0
 """A load probe this recent (seconds) opens the next trial instead of a new probe."""
 
@@ -99,7 +103,7 @@ class TrialJob:
     objective)."""
     load_probe_tokens: int = 16
     """Tokens of the AR load probe before and after each measurement (0 disables load detection)."""
-    load_threshold: float = 0.15
+    load_threshold: float = LOAD_THRESHOLD
     """A probe this much slower than the worker's fastest (share) means the machine is loaded."""
 
     def __post_init__(self) -> None:

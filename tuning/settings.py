@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dart_ray import METHODS, EngineConfig
 from tuning import study as studies
+from tuning.objective import LOAD_THRESHOLD
 
 MAX_BATCH_BOUND = 1024
 TUNABLE_METHODS = tuple(m for m in METHODS if m != "none")
@@ -79,9 +80,9 @@ class TuneSettings:
     profile named like the workload; None = cold start."""
     load_probe_tokens: int = 16
     """Tokens of the AR load probe around each trial (0 disables load detection)."""
-    load_threshold: float = 0.15
+    load_threshold: float = LOAD_THRESHOLD
     """A probe this much slower than the fastest one marks the machine as loaded (re-run, then
-    flag)."""
+    flag); ``tuning.objective.LOAD_THRESHOLD`` says why 0.3."""
     cpus_per_trial: float | None = None
     """Default: all CPUs of the Ray cluster (trials run one at a time so they do not disturb each
     other)."""
