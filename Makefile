@@ -14,7 +14,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu gpu-check clean
 
 setup: $(STAMP)
 
@@ -55,19 +55,27 @@ artifacts: setup
 	for a in eagle medusa sps; do \
 	  $(BIN)/dart-ray ship --run $(RUNS)/drafters/$$a --command "make artifacts" || exit 1; done
 
-# issue 17: the shipped DART drafter trained on, with chat requests the target wrote itself (all the kept
-# prompts as the chat half). Every step is resumable (rerun to continue): gen-prompts -> gen-data --prompts
-# -> train-drafter --resume <shipped> --lr-schedule fresh (weights and draft vocabulary kept; new optimizer,
-# warmup + cosine over 2 epochs; each invocation stops cleanly after 90 minutes) -> ship (drafter + N-gram).
-SHIPPED := dart_ray/artifacts/SmolLM2-135M-Instruct/drafter
+# issue 17: the shipped DART drafter, made in two sittings (see dart_ray/artifacts/SmolLM2-135M-Instruct/CARD.md).
+# 1. one CUDA GPU, ~9 min (scripts/gpu_drafter.sh): self-instruct prompts written by the target, the first
+#    answers, a random-vs-target-layer A/B, the winner trained on (RUN=runs/gpu-drafter).
+# 2. this CPU: the remaining prompts answered (disjoint from the GPU's answers), then DART trained on from the
+#    GPU drafter over both parts (weights + draft vocabulary kept; new optimizer, warmup + cosine), then shipped.
+# Every step is resumable: rerun to continue (gen-data: the first missing shard; train-drafter: its checkpoint).
+GPU_RUN ?= runs/gpu-drafter
+V2_SHARDS ?= 24
+V2_STEPS ?= 1100
+drafter-v2-gpu:
+	RUN=$(GPU_RUN) bash scripts/gpu_drafter.sh 545
 drafter-v2: setup
-	$(FAST_ENV) $(BIN)/dart-ray gen-prompts --out $(RUNS)/prompts-v2 --n 4000 --batch-size 16 --shard-size 128 --threads 2
-	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(RUNS)/sd-data-v2 --prompts $(RUNS)/prompts-v2 --n-chat 4000 \
-	  --n-code 1200 --max-new-tokens 128 --batch-size 16 --threads 2 --text-tokens 700000
-	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(RUNS)/sd-data-v2 --out $(RUNS)/drafter-v2 --arch dart:8 \
-	  --resume $(SHIPPED) --lr-schedule fresh --epochs 2 --seqs-per-step 4 --max-len 320 --threads 2 \
-	  --eval-every 400 --time-budget 5400
-	$(BIN)/dart-ray ship --run $(RUNS)/drafter-v2 --data $(RUNS)/sd-data-v2 --command "make drafter-v2"
+	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(RUNS)/cpu-data --prompts $(GPU_RUN)/prompts --n-chat 5846 --n-code 0 \
+	  --max-new-tokens 256 --batch-size 32 --shard-size 128 --threads 2 --exclude-data $(GPU_RUN)/data \
+	  --max-shards $(V2_SHARDS)
+	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(GPU_RUN)/data,$(RUNS)/cpu-data --out $(RUNS)/drafter-v2 \
+	  --arch dart:8 --resume $(GPU_RUN)/main/drafter --lr-schedule fresh --max-steps $(V2_STEPS) --epochs 100 \
+	  --lr 5e-4 --warmup 30 --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 400 --eval-seqs 96 \
+	  --time-budget 2700
+	$(BIN)/dart-ray ship --run $(RUNS)/drafter-v2 --data $(GPU_RUN)/data,$(RUNS)/cpu-data \
+	  --command "make drafter-v2-gpu (on a CUDA machine), then make drafter-v2" --notes docs/drafter-v2-compute.md
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup

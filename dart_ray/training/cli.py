@@ -35,10 +35,11 @@ def gen_prompts_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-shards", type=int, default=None,
                    help="stop after N shards (rerun to extend)")
+    p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda)")
     a = p.parse_args(argv)
     out = generate_prompts(a.out, a.n, a.model, a.dtype, a.temperature, a.top_p, a.max_new_tokens,
                            a.batch_size, a.shard_size, a.seed, a.multi_turn_frac, a.threshold,
-                           a.threads, a.max_shards)
+                           a.threads, a.max_shards, device=a.device)
     print(f"prompts in {out}: "
           f"{(out / 'stats.json').read_text() if (out / 'stats.json').is_file() else ''}")
     return 0
@@ -60,6 +61,9 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
                    help="sampling temperature of the follow-up turns of multi-turn prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--shard-size", type=int, default=64,
+                   help="prompts per parquet shard (the unit of resumption; at least the batch "
+                        "size to keep the batch full)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto",
@@ -72,6 +76,14 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--text-tokens", type=int, default=0,
                    help="also write this many tokens of raw stdlib source as teacher-only training "
                         "text")
+    p.add_argument("--method", default="ngram",
+                   help="engine method (exact under greedy decoding either way): ngram (default; "
+                        "prompt lookup, fastest at small batches on a CPU) or none (plain steps, "
+                        "for large batches on a GPU)")
+    p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda)")
+    p.add_argument("--exclude-data", default="",
+                   help="comma list of data directories whose prompts are answered already (e.g. "
+                        "on another machine): left out here; train on both with --data A,B")
     a = p.parse_args(argv)
     if a.text_tokens:
         from dart_ray.training.gen_data import write_text_corpus
@@ -80,8 +92,11 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
     if a.n_code + a.n_chat == 0:
         return 0
     out = generate_data(a.out, a.n_code, a.n_chat, a.max_new_tokens, a.batch_size, a.temperature,
-                        a.model, a.dtype, seed=a.seed, threads=a.threads, max_shards=a.max_shards,
-                        prompts_dir=a.prompts, followup_temperature=a.followup_temperature)
+                        a.model, a.dtype, method=a.method, shard_size=a.shard_size, seed=a.seed,
+                        threads=a.threads,
+                        max_shards=a.max_shards, prompts_dir=a.prompts,
+                        followup_temperature=a.followup_temperature, device=a.device,
+                        exclude_data=[d for d in a.exclude_data.split(",") if d])
     print(f"data in {out}")
     return 0
 
@@ -92,7 +107,9 @@ def train_cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dart-ray train-drafter",
                                 description="train a drafter: DART, EAGLE-style, Medusa heads or "
                                             "an SpS draft model (resumable)")
-    p.add_argument("--data", required=True, help="directory of gen-data shards")
+    p.add_argument("--data", required=True,
+                   help="directory of gen-data shards, or a comma list of them (data made in "
+                        "parts, e.g. on two machines)")
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None)
     p.add_argument("--arch", default="dart",
@@ -138,6 +155,9 @@ def train_cli(argv: list[str] | None = None) -> int:
                         "(checkpoint, final evaluation, drafter); rerun the same command to "
                         "continue as if uninterrupted")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the teacher and students (cpu, cuda); a run may restart "
+                        "on another device")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="teacher dtype and the students' autocast: auto = bf16 where this machine "
                         "runs it natively and fast, else fp32 (students keep fp32 weights either "
@@ -170,7 +190,8 @@ def train_cli(argv: list[str] | None = None) -> int:
                           seqs_per_step=a.seqs_per_step, max_len=a.max_len,
                           draft_vocab=a.draft_vocab, eval_every=a.eval_every, eval_seqs=a.eval_seqs,
                           ckpt_every=a.ckpt_every, time_budget_s=a.time_budget, threads=a.threads,
-                          dtype=a.dtype, seed=a.seed, resume=a.resume, lr_schedule=a.lr_schedule,
+                          device=a.device, dtype=a.dtype, seed=a.seed, resume=a.resume,
+                          lr_schedule=a.lr_schedule,
                           init_from_target=a.init_from_target, init_layer=a.init_layer)
     except ValueError as e:
         p.error(str(e))

@@ -46,10 +46,15 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
                   shard_size: int = 64, seed: int = 0, val_frac: float = 0.05, threads: int
                   | None = None, progress: bool = True, corpus: list[dict] | None = None,
                   max_shards: int | None = None, prompts_dir: str | Path | None = None,
-                  followup_temperature: float = 0.7, engine=None) -> Path:
+                  followup_temperature: float = 0.7, engine=None, device: str = "cpu",
+                  exclude_data: list[str | Path] = ()) -> Path:
     """Generate target answers for ``corpus`` (default: :func:`build_corpus`, its chat half from
     ``prompts_dir`` when given) into parquet shards (only the first ``max_shards`` shards when
-    given: a budgeted run that a later call may extend)."""
+    given: a budgeted run that a later call may extend). ``method``: the engine's method (any is
+    exact under greedy decoding; ``none`` where speculation does not pay, e.g. large batches on a
+    GPU); ``device``: where the target runs. ``exclude_data``: data directories whose prompts are
+    answered already (e.g. by a run on another machine): their rows are left out of this corpus,
+    so ``train-drafter --data THIS,THAT`` trains on both without duplicates."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -70,6 +75,9 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
             chat_rows = load_prompt_rows(prompts_dir)
         evals = EvalFilter()
         rows = build_corpus(n_code, n_chat, seed, chat_rows=chat_rows, eval_filter=evals)
+    if exclude_data:
+        answered = answered_prompts(exclude_data)
+        rows = [r for r in rows if r["prompt"] not in answered]
     _check_corpus_manifest(out, rows, shard_size)
     shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)][:max_shards]
     todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.parquet").is_file()]
@@ -79,8 +87,8 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
         evals = EvalFilter()
     if engine is None:
         engine = Engine.from_config(EngineConfig(model=model, method=method, ngram="none",
-                                                 dtype=dtype, max_batch_size=batch_size,
-                                                 num_threads=threads))
+                                                 dtype=dtype, device=device,
+                                                 max_batch_size=batch_size, num_threads=threads))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     bar = None
     if progress:
@@ -115,6 +123,20 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
         os.replace(tmp, dst)
     if bar is not None:
         bar.close()
+    return out
+
+
+def answered_prompts(data_dirs) -> set[str]:
+    """The prompts of every self-distillation shard in ``data_dirs``."""
+    import pyarrow.parquet as pq
+
+    out: set[str] = set()
+    for d in data_dirs:
+        files = sorted(Path(d).glob("shard-*.parquet"))
+        if not files:
+            raise FileNotFoundError(f"no shard-*.parquet in {d} (--exclude-data)")
+        for f in files:
+            out.update(pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist())
     return out
 
 
@@ -175,6 +197,22 @@ def _check_corpus_manifest(out: Path, rows: list[dict], shard_size: int) -> None
         os.replace(tmp, f)
 
 
+def data_files(data_dir: str | Path) -> list[Path]:
+    """The shards of ``data_dir`` -- one directory, or a comma list of them (data made in parts,
+    e.g. on two machines: ``gen-data --exclude-data`` keeps them disjoint) -- in a stable order:
+    per directory, its ``shard-*`` then its ``text-*`` files."""
+    files: list[Path] = []
+    for d in [x for x in str(data_dir).split(",") if x]:
+        data = Path(d)
+        found = sorted(data.glob("shard-*.parquet")) + sorted(data.glob("text-*.parquet"))
+        if not found:
+            raise FileNotFoundError(f"no shard-*.parquet in {d}; run `dart-ray gen-data` first")
+        files += found
+    if not files:
+        raise FileNotFoundError(f"no data directory in {data_dir!r}")
+    return files
+
+
 def load_sequences(data_dir: str | Path, split: str) -> list[tuple[list[int], int]]:
     """(prompt + response ids, prompt length) for every row of ``split``."""
     return [(ids, n) for ids, n, _ in load_rows(data_dir, split)]
@@ -185,10 +223,7 @@ def load_rows(data_dir: str | Path, split: str) -> list[tuple[list[int], int, st
     ``chat`` or ``code`` (:data:`DOMAINS`)."""
     import pyarrow.parquet as pq
 
-    data = Path(data_dir)
-    files = sorted(data.glob("shard-*.parquet")) + sorted(data.glob("text-*.parquet"))
-    if not files:
-        raise FileNotFoundError(f"no shard-*.parquet in {data_dir}; run `dart-ray gen-data` first")
+    files = data_files(data_dir)
     out = []
     for f in files:
         t = pq.read_table(f, columns=["prompt_ids", "response_ids", "split", "source"]).to_pydict()
@@ -205,9 +240,7 @@ def describe_data(data_dir: str | Path) -> dict:
     import pyarrow.parquet as pq
 
     out = {"rows_by_source": {}, "self_instruct_rows": 0, "multi_turn_rows": 0}
-    data = Path(data_dir)
-    files = sorted(data.glob("shard-*.parquet")) + sorted(data.glob("text-*.parquet"))
-    for f in files:
+    for f in data_files(data_dir):
         names = pq.read_schema(f).names
         t = pq.read_table(f, columns=[c for c in ("source", "category", "followup")
                                       if c in names]).to_pydict()

@@ -114,7 +114,8 @@ def evaluate(students: Sequence[tuple[torch.nn.Module, TrainConfig]], target, ca
     for model, _ in students:
         model.eval()
     for i in range(0, len(seqs), run.seqs_per_step):
-        tokens, lens = pad_batch([s[0][:run.max_len] for s in seqs[i:i + run.seqs_per_step]])
+        tokens, lens = pad_batch([s[0][:run.max_len] for s in seqs[i:i + run.seqs_per_step]],
+                                 target.embed.weight.device)
         taps, top_id, _ = teacher_pass(target, cache, tokens, lens, order, run.teacher_topk)
         truth = top_id[..., 0]                                                # [B, L] target argmax
         for k, (obj, want, (model, cfg)) in enumerate(zip(objs, wants, students, strict=True)):
@@ -130,12 +131,14 @@ def _score(obj, model, cfg: TrainConfig, target, taps: torch.Tensor | None,
            dtype: str) -> LevelCounts:
     """One student's counts on one batch (``truth`` [B, L]: the target's argmax)."""
     d = obj.levels(cfg)
-    with student_autocast(dtype):
+    dev = tokens.device
+    with student_autocast(dtype, dev):
         logits = obj.forward(model, target, taps, tokens)                   # [B, J, d, Vd]
     J = tokens.shape[1] - 1
-    pos = torch.arange(J)[:, None] + torch.arange(1, d + 1)[None, :]         # [J, d]
+    pos = (torch.arange(J, device=dev)[:, None]
+           + torch.arange(1, d + 1, device=dev)[None, :])                    # [J, d]
     idx = pos.clamp(max=tokens.shape[1] - 1)
-    valid = pos[None] < torch.tensor(lens)[:, None, None]                     # [B, J, d]
+    valid = pos[None] < torch.tensor(lens, device=dev)[:, None, None]         # [B, J, d]
     tgt = truth[:, idx]                                                       # [B, J, d]
     pred5 = logits.topk(5, dim=-1).indices                                    # [B, J, d, 5]
     if t2d is not None:

@@ -219,7 +219,9 @@ class SpsObjective(Objective):
         D, J = cfg.depth, ok1.shape[1]
         hit = F.pad(ok1[..., 0].int(), (0, D))                                    # [B, J+D]
         win = hit.unfold(1, D, 1)[:, :J]                                          # [B, J, D]
-        full = (torch.arange(J)[None, :] + D) < torch.tensor(lens)[:, None]       # [B, J]
+        dev = ok1.device
+        full = ((torch.arange(J, device=dev)[None, :] + D)
+                < torch.tensor(lens, device=dev)[:, None])                        # [B, J]
         return torch.cumprod(win, dim=-1).sum(-1), full
 
 
@@ -257,23 +259,26 @@ def get_objective(name: str) -> Objective:
     return _OBJECTIVES[name]
 
 
-def student_autocast(dtype: str) -> AbstractContextManager:
+def student_autocast(dtype: str, device: str | torch.device = "cpu") -> AbstractContextManager:
     """The student's forward runs under bf16 autocast when the run's resolved dtype is ``bf16``
-    (its weights and optimizer stay float32); in ``fp32`` it runs as is."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    (its weights and optimizer stay float32); in ``fp32`` it runs as is. ``device``: where it runs
+    (autocast is per device type)."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
+                          enabled=dtype == "bf16")
 
 
 # ---------------------------------------------------------------------------------------------
 # teacher
 # ---------------------------------------------------------------------------------------------
-def pad_batch(batch: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-    """Sequences -> right-padded ids [B, max len] and their lengths (what :func:`teacher_pass`
-    takes)."""
+def pad_batch(batch: list[list[int]],
+              device: str | torch.device | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Sequences -> right-padded ids [B, max len] (on ``device``; default CPU) and their lengths
+    (what :func:`teacher_pass` takes)."""
     lens = [len(s) for s in batch]
     t = torch.zeros(len(batch), max(lens), dtype=torch.long)
     for i, s in enumerate(batch):
         t[i, :len(s)] = torch.tensor(s)
-    return t, lens
+    return (t if device is None else t.to(device)), lens
 
 
 def teacher_pass(target, cache, batch: torch.Tensor, lens: list[int], taps: tuple[int, ...],
@@ -289,8 +294,8 @@ def teacher_pass(target, cache, batch: torch.Tensor, lens: list[int], taps: tupl
     B, L = batch.shape
     for r in range(B):
         cache.reset_row(r)
-    pos = torch.arange(L).expand(B, L)
-    mask = attention_mask([0] * B, causal_ancestors(L), L, target.embed.weight.dtype)
+    pos = torch.arange(L, device=batch.device).expand(B, L)
+    mask = attention_mask([0] * B, causal_ancestors(L, batch.device), L, target.embed.weight.dtype)
     out = target(batch, pos, mask, cache, rows=slice(0, B), starts=[0] * B, taps=taps)
     logp = torch.log_softmax(out.logits.float(), dim=-1)          # [B, L, V]
     top_lp, top_id = logp.topk(topk, dim=-1)                      # [B, L, K]
@@ -351,7 +356,9 @@ def drafter_train_forward(model: DartModel, embed: torch.nn.Embedding, taps: tor
     # --- mask blocks: block j has slots m=1..M at positions j+m
     m_in, m_res = model.mask_inputs((1,))                                       # [1, 2H], [1, H]
     mq, mk, mv = attn.qkv(model.attn_norm(m_in)).split(attn.split, dim=-1)      # [1, *]
-    mpos = torch.arange(J)[:, None] + torch.arange(1, M + 1)[None, :]           # [J, M]
+    dev = tokens.device
+    mpos = (torch.arange(J, device=dev)[:, None]
+            + torch.arange(1, M + 1, device=dev)[None, :])                      # [J, M]
     cos, sin = cos_t[mpos][None, None], sin_t[mpos][None, None]                 # [1, 1, J, M, hd]
     mq = apply_rope(mq.view(1, nh, 1, 1, hd), cos, sin)                         # [1, nh, J, M, hd]
     mk = apply_rope(mk.view(1, nkv, 1, 1, hd), cos, sin)                        # [1, nkv, J, M, hd]
@@ -359,10 +366,11 @@ def drafter_train_forward(model: DartModel, embed: torch.nn.Embedding, taps: tor
     mv = _expand_kv(mv.view(1, nkv, 1, 1, hd), rep)                             # [1, nh, 1, 1, hd]
     scale = 1.0 / math.sqrt(hd)
     s_ctx = torch.einsum("xhjmd,bhkd->bhjmk", mq, ke) * scale                   # [B, nh, J, M, J]
-    prefix_ok = torch.arange(J)[None, :] <= torch.arange(J)[:, None]            # [J(j), J(k)]
+    prefix_ok = (torch.arange(J, device=dev)[None, :]
+                 <= torch.arange(J, device=dev)[:, None])                       # [J(j), J(k)]
     s_ctx = s_ctx.masked_fill(~prefix_ok[None, None, :, None, :], float("-inf"))
     s_blk = torch.einsum("xhjmd,xhjnd->xhjmn", mq, mk) * scale                  # [1, nh, J, M, M]
-    causal = torch.ones(M, M, dtype=torch.bool).tril()
+    causal = torch.ones(M, M, dtype=torch.bool, device=dev).tril()
     s_blk = s_blk.masked_fill(~causal, float("-inf")).expand(B, -1, -1, -1, -1)
     p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)                # [B, nh, J, M, J+M]
     p_ctx, p_blk = p.split([J, M], dim=-1)
@@ -402,13 +410,14 @@ def eagle_train_forward(model: DartModel, embed: torch.nn.Embedding, taps: torch
     h, resid = model.context_inputs(taps[:, :J], emb[:, 1:])                 # [B, J, 2H], [B, J, H]
     cos_t, sin_t = model.rope(L + K + 1, h)
     scale = 1.0 / math.sqrt(hd)
-    prefix_ok = torch.ones(J, J, dtype=torch.bool).tril()                    # key k <= prefix j
+    dev = tokens.device
+    prefix_ok = torch.ones(J, J, dtype=torch.bool, device=dev).tril()        # key k <= prefix j
     outs: list[torch.Tensor] = []
     own_k: list[torch.Tensor] = []
     own_v: list[torch.Tensor] = []
     ctx_k = ctx_v = None
     for m in range(K):
-        pos = torch.arange(J) + m
+        pos = torch.arange(J, device=dev) + m
         cos, sin = cos_t[pos][None, None], sin_t[pos][None, None]            # [1, 1, J, hd]
         q, k, v = attn.qkv(model.attn_norm(h)).split(attn.split, dim=-1)
         q = apply_rope(q.view(B, J, nh, hd).transpose(1, 2), cos, sin)       # [B, nh, J, hd]
@@ -432,7 +441,7 @@ def eagle_train_forward(model: DartModel, embed: torch.nn.Embedding, taps: torch
         x = x + model.mlp(model.mlp_norm(x))                                 # [B, J, H]
         outs.append(x)
         if m + 1 < K:
-            nxt = (torch.arange(J) + 2 + m).clamp(max=L - 1)                 # token x_{j+2+m}
+            nxt = (torch.arange(J, device=dev) + 2 + m).clamp(max=L - 1)     # token x_{j+2+m}
             h, resid = model.feature_inputs(x, emb[:, nxt])
     return model.logits(model.norm(torch.stack(outs, dim=2)), None)          # [B, J, K, Vd]
 
@@ -450,8 +459,10 @@ def sps_train_forward(model, embed: torch.nn.Embedding, tokens: torch.Tensor,
     B, L = tokens.shape
     with torch.no_grad():
         x = embed(tokens).float()                                                     # [B, L, H]
-    pos = torch.arange(L).expand(B, L)
-    mask = torch.zeros(L, L).masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+    dev = tokens.device
+    pos = torch.arange(L, device=dev).expand(B, L)
+    mask = torch.zeros(L, L, device=dev).masked_fill(
+        ~torch.ones(L, L, dtype=torch.bool, device=dev).tril(), float("-inf"))
     hidden = model.hidden(x, pos, mask[None, None].to(x.dtype), None, L)              # [B, L, H]
     return (hidden[:, 1:] @ head_weight.t().to(hidden.dtype)).unsqueeze(2)           # [B, J, 1, Vd]
 
@@ -466,8 +477,10 @@ def level_targets(top_id: torch.Tensor, top_lp: torch.Tensor, t2d: torch.Tensor 
     mask)."""
     B, L, K = top_id.shape
     J = L - 1
-    idx = torch.arange(J)[:, None] + torch.arange(1, depth + 1)[None, :]  # [J, d] source position
-    valid = idx[None] < torch.tensor(lens)[:, None, None]               # [B, J, d]
+    dev = top_id.device
+    idx = (torch.arange(J, device=dev)[:, None]
+           + torch.arange(1, depth + 1, device=dev)[None, :])           # [J, d] source position
+    valid = idx[None] < torch.tensor(lens, device=dev)[:, None, None]   # [B, J, d]
     idxc = idx.clamp(max=L - 1)
     ids = top_id[:, idxc]                                               # [B, J, d, K]
     lp = top_lp[:, idxc]                                                # [B, J, d, K]
@@ -487,7 +500,7 @@ def kl_loss(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, valid: tor
     logq = torch.log_softmax(logits.float(), dim=-1)                    # [B, J, d, Vd]
     ce = -(p * logq.gather(-1, ids)).sum(-1)                            # [B, J, d]
     d = logits.shape[2]
-    w = gamma ** torch.arange(d, dtype=torch.float32)                   # [d]
+    w = gamma ** torch.arange(d, dtype=torch.float32, device=logits.device)  # [d]
     per_level = (ce * valid).sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)
     return (per_level * w).sum() / w.sum(), per_level.detach()
 
@@ -515,7 +528,7 @@ def init_from_target_layer(model: DartModel, target, layer: int) -> DartModel:
     taps = list(cfg.tap_layers)
     k = taps.index(layer) if layer in taps else len(taps) - 1
     model.fc.weight.zero_()
-    model.fc.weight[:, k * H:(k + 1) * H].copy_(torch.eye(H))
+    model.fc.weight[:, k * H:(k + 1) * H].copy_(torch.eye(H, device=model.fc.weight.device))
     model.attn.qkv.weight[:, H:].copy_(src.attn.qkv.weight.float())
     model.attn_norm.weight[H:].copy_(src.attn_norm.weight.float())
     model.attn.o.weight.copy_(src.attn.o.weight.float())

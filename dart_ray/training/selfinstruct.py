@@ -393,7 +393,7 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
                      seed: int = 0, multi_turn_frac: float = 0.2,
                      threshold: float = DEFAULT_THRESHOLD, threads: int | None = None,
                      max_shards: int | None = None, eval_prompts: list[str] | None = None,
-                     progress: bool = True, engine=None) -> Path:
+                     progress: bool = True, engine=None, device: str = "cpu") -> Path:
     """Generate until ``n`` prompts are kept (or ``max_shards`` shards exist); resumable.
 
     ``engine``: an :class:`~dart_ray.Engine` to use (default: one for ``model`` with plain
@@ -433,8 +433,8 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
         from dart_ray import Engine, EngineConfig
 
         engine = Engine.from_config(EngineConfig(model=model, method="none", dtype=dtype,
-                                                 max_batch_size=batch_size, num_threads=threads,
-                                                 adaptive=False))
+                                                 device=device, max_batch_size=batch_size,
+                                                 num_threads=threads, adaptive=False))
     bar = None
     if progress:
         from tqdm import tqdm

@@ -51,11 +51,13 @@ def trained_method(arch: str) -> MethodSpec:
 
 def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, command: str,
          bench_json: list[str] | None = None, dest_root: Path | None = None,
-         arch: str | None = None) -> Path:
+         arch: str | None = None, notes: str = "") -> Path:
     """Copy a trained drafter (and for DART the N-gram model) into the package with a card.
 
     DART goes to ``<model_id>/drafter`` with ``<model_id>/CARD.md``; a baseline arch to
-    ``<model_id>/<arch>/`` with its card inside. ``arch`` defaults to the run's own.
+    ``<model_id>/<arch>/`` with its card inside. ``arch`` defaults to the run's own. ``notes``:
+    markdown put in the card after the command (e.g. the compute of every sitting that led here,
+    data generation included, which no single run's summary knows).
     """
     from dart_ray.drafters import default_artifact_dir
 
@@ -89,7 +91,8 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
     joint = summary.get("joint_with") or []
     lines = [f"# {spec.card_title} for {model_id}", "",
              "Produced by this project's own commands (no third-party weights):", "", "```bash",
-             command, "```", "", "## Data", _data_paragraph(summary.get("data") or {}), "",
+             command, "```", "", *([notes.strip(), ""] if notes.strip() else []),
+             "## Data", _data_paragraph(summary.get("data") or {}), "",
              "![training curves](training.png)", "",
              f"- training sequences: {summary['train_seqs']}"
              + (f" ({_by(summary['train_rows_by_domain'])})" if summary.get("train_rows_by_domain")
@@ -219,6 +222,9 @@ def ship_cli(argv: list[str] | None = None) -> int:
                    + " (default: the run's)")
     p.add_argument("--command", default="make artifacts", help="the command recorded in the card")
     p.add_argument("--bench", action="append", help="bench JSON(s) to include in the card")
+    p.add_argument("--notes", default=None,
+                   help="markdown file put in the card after the command (e.g. the compute of "
+                        "every sitting, data generation included)")
     a = p.parse_args(argv)
     ngram = a.ngram
     arch = a.arch
@@ -226,6 +232,7 @@ def ship_cli(argv: list[str] | None = None) -> int:
         arch = json.loads((Path(a.run) / "train_summary.json").read_text()).get("arch", "dart")
     if ngram is None and a.data and arch == "dart":
         ngram = ngram_from_selfdistill(a.data, Path(a.run) / "ngram", model_id=a.model_id)
-    dest = ship(a.run, ngram, a.model_id, a.command, a.bench, arch=arch)
+    notes = Path(a.notes).read_text() if a.notes else ""
+    dest = ship(a.run, ngram, a.model_id, a.command, a.bench, arch=arch, notes=notes)
     print(f"shipped to {dest}")
     return 0

@@ -79,7 +79,7 @@ class TrainConfig:
     """Knobs of ``dart-ray train-drafter``."""
 
     data: str
-    """Directory of self-distillation shards (``dart-ray gen-data``)."""
+    """Directory of self-distillation shards (``dart-ray gen-data``), or a comma list of them."""
     out: str
     """Output directory: checkpoints, final drafter, card, plots."""
     model: str | None = None
@@ -121,6 +121,9 @@ class TrainConfig:
     """Held-out sequences evaluated per domain (chat, code)."""
     seed: int = 0
     threads: int | None = None
+    device: str = "cpu"
+    """torch device of the teacher and the students (``cpu``, ``cuda``, ``cuda:1``); checkpoints
+    and shipped drafters are device-free, so a run may restart on another device."""
     dtype: str = "auto"
     """Teacher dtype, and bf16 autocast of the students' forward when ``bf16``: ``auto`` = bf16
     where this machine runs it natively and measured fast (:func:`dart_ray.hardware.resolve_dtype`),
@@ -148,6 +151,11 @@ class TrainConfig:
                              "0)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be a torch device string (cpu, cuda, cuda:1), got "
+                             f"{self.device!r}") from e
         object.__setattr__(self, "sps_layers", tuple(self.sps_layers))
         object.__setattr__(self, "joint", tuple(self.joint))
         archs = objective_names()
@@ -181,7 +189,7 @@ class TrainConfig:
 
 LR_SCHEDULES = ("continue", "fresh")
 RESTART_FREE = ("out", "time_budget_s", "eval_every", "ckpt_every", "eval_seqs", "threads", "data",
-                "dtype")
+                "dtype", "device")
 """TrainConfig fields a restarted run may change (they fix neither the plan nor the data order;
 the data is identified by its fingerprint, not its path; a run moved to a machine where ``auto``
 resolves otherwise continues, in the other dtype)."""
@@ -233,6 +241,7 @@ class _Student:
         self.cfg, self.out, self.plan, self.key, self.dtype = cfg, out, plan, key, dtype
         out.mkdir(parents=True, exist_ok=True)
         self.objective = get_objective(cfg.arch)
+        self.device = tgt.model.embed.weight.device
         self.model = self.objective.build(cfg, tgt, d2t, new=source.kind == "new").train()
         if source.kind != "new":
             mm = source.mismatch(_comparable_config(self.model.cfg))
@@ -245,6 +254,7 @@ class _Student:
                 raise ValueError(f"{source.path} does not fit a {cfg.arch} drafter of depth "
                                  f"{cfg.depth}, draft vocab {cfg.draft_vocab} for this target: "
                                  f"{e}") from e
+        self.model.to(self.device)
         self.taps = self.objective.taps(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=plan.lr_at(source.step), betas=(0.9, 0.95),
@@ -285,13 +295,14 @@ class _Student:
         lr = self.plan.lr_at(self.step)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        with student_autocast(self.dtype.dtype):
+        with student_autocast(self.dtype.dtype, self.device):
             logits = self.objective.forward(self.model, target, taps, tokens)     # [B, L-1, d, Vd]
         loss, per_level = self.objective.loss(logits, targets, self.cfg.gamma)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.opt.step()
+        _sync(self.device)  # the wall time of an asynchronous device counts the work done
         self.step += 1
         self.wall_s += time.perf_counter() - t0
         value, levels = float(loss.detach()), per_level.tolist()
@@ -422,9 +433,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = resolve_dtype(cfg.dtype, "cpu")
-    print(f"dtype {dtype.dtype} ({dtype.requested}: {dtype.reason})")
-    tgt = load_target(cfg.model, dtype.dtype, "cpu", max_seq_len=cfg.max_len + 8)
+    dev = torch.device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, dev)
+    print(f"device {dev}, dtype {dtype.dtype} ({dtype.requested}: {dtype.reason})")
+    tgt = load_target(cfg.model, dtype.dtype, dev, max_seq_len=cfg.max_len + 8)
     target, args = tgt.model, tgt.args
     train_rows = load_rows(cfg.data, "train")
     if not train_rows:
@@ -481,6 +493,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         n_tok = sum(len(s) for s, _ in train_seqs)
         covered = sum(int((t2d[torch.tensor(s)] >= 0).sum()) for s, _ in train_seqs)
         print(f"draft vocab {len(d2t)}: covers {covered / n_tok:.1%} of training tokens")
+        t2d = t2d.to(dev)
     src0 = sources[cfg.arch]
     # joint students share it
     plan = plan_for(src0, cfg.lr_schedule, cfg.lr, cfg.warmup_steps, run_steps)
@@ -496,7 +509,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         torch.set_rng_state(st0["rng"])
     end = plan.end
     tap_order = tuple(sorted({t for s in students for t in s.taps}))
-    if packing_supported("cpu", target.embed.weight.dtype):
+    if packing_supported(dev, target.embed.weight.dtype):
         # the frozen teacher's blocks only run inference (students were built and copied above); the
         # LM head stays dense because the students' objectives read its weight every step
         for layer in target.layers:
@@ -512,10 +525,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     with _StopRequest() as stop:
         while step < end:
             batch = next(batches)
-            tokens, lens = pad_batch(batch)
+            tokens, lens = pad_batch(batch, dev)
             t0 = time.perf_counter()
             taps, top_id, top_lp = teacher_pass(target, cache, tokens, lens, tap_order,
                                                 cfg.teacher_topk)
+            _sync(dev)
             # the shared teacher pass, split evenly
             teacher_s = (time.perf_counter() - t0) / len(students)
             losses = {}
@@ -577,6 +591,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         plot_metrics(st.log.records(), st.out / "training.png", title=f"{st.cfg.arch} drafter")
         summaries[st.cfg.arch] = summary
     return summaries[cfg.arch]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _save_bf16(model, path: Path) -> None:

@@ -584,3 +584,73 @@ def test_one_teacher_pass_per_held_out_batch_serves_every_student(tiny, monkeypa
              for s in students]
     assert joint == alone
     assert set(joint[0]) == {"chat", "code", "all"} and len(joint[2]["all"]["top1"]) == 1
+
+
+def test_data_made_in_parts_trains_as_one(tmp_path, tiny_dirs):
+    """Data made in two sittings (e.g. on two machines): the second leaves out what the first
+    answered (``exclude_data``), and ``--data A,B`` trains on their union, as one directory holding
+    the same rows would (same rows, same fingerprint, so the same run)."""
+    import pyarrow.parquet as pq
+
+    from dart_ray.training.checkpoint import data_fingerprint
+    from dart_ray.training.gen_data import describe_data, generate_data, load_rows
+
+    corpus = _code_corpus("p", "times", 12)
+    first = _answered(tmp_path / "a", tiny_dirs, corpus[:5], shard_size=5)
+    second = generate_data(tmp_path / "b", model=str(tiny_dirs["llama"]), dtype="fp32",
+                           method="none", corpus=corpus, progress=False, max_new_tokens=12,
+                           batch_size=4, shard_size=5, exclude_data=[first])
+    whole = _answered(tmp_path / "w", tiny_dirs, corpus, shard_size=5)
+
+    def prompts(d):
+        return [p for f in sorted(d.glob("shard-*.parquet"))
+                for p in pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist()]
+
+    assert not set(prompts(first)) & set(prompts(second))        # nothing answered twice
+    assert sorted(prompts(first) + prompts(second)) == sorted(prompts(whole))
+    both = f"{first},{second}"
+    for split in ("train", "val"):
+        assert sorted(load_rows(both, split)) == sorted(load_rows(whole, split))
+    assert describe_data(both)["rows_by_source"] == {"code": 12}
+    with pytest.raises(FileNotFoundError, match="no shard"):
+        load_rows(f"{first},{tmp_path / 'missing'}", "train")
+    with pytest.raises(FileNotFoundError, match="exclude-data"):
+        generate_data(tmp_path / "c", model=str(tiny_dirs["llama"]), corpus=corpus,
+                      exclude_data=[tmp_path / "missing"], progress=False)
+    # training reads the union; the parts named in the other order are other data to a restart
+    # (another batch order), which the fingerprint tells apart
+    seqs = [(ids, n) for ids, n, _ in load_rows(both, "train")]
+    swapped = [(ids, n) for ids, n, _ in load_rows(f"{second},{first}", "train")]
+    assert data_fingerprint(seqs, 2, 40, 0) != data_fingerprint(swapped, 2, 40, 0)
+    from dart_ray.training.trainer import train
+
+    s = train(_base_cfg(both, tiny_dirs, out=str(tmp_path / "run")), progress=False)
+    assert s["train_seqs"] == len(seqs) and s["data"]["rows_by_source"] == {"code": 12}
+
+
+def test_device_is_a_restart_free_setting_and_cards_carry_notes(tmp_path, tiny):
+    """A run may restart on another device (checkpoints are device-free); the card carries the
+    notes given to ``ship`` (compute of every sitting)."""
+    from dart_ray.drafters.dart_model import DartConfig, DartModel
+    from dart_ray.training.objectives import pad_batch
+    from dart_ray.training.ship import ship
+    from dart_ray.training.trainer import TrainConfig, run_key
+
+    a = TrainConfig(data="d", out="o", device="cpu")
+    b = TrainConfig(data="d", out="o", device="cuda:1")
+    assert run_key(a, "k") == run_key(b, "k")
+    t, lens = pad_batch([[1, 2, 3], [4]], "cpu")
+    assert t.device.type == "cpu" and t.tolist() == [[1, 2, 3], [4, 0, 0]] and lens == [3, 1]
+    with pytest.raises(ValueError, match="device"):
+        TrainConfig(data="d", out="o", device="gpu0")
+    run = tmp_path / "run"
+    DartModel(DartConfig.for_target(tiny.args, tiny.model_id, depth=2, draft_vocab=64,
+                                    tie_head=False)).init_random(0).save(run / "drafter")
+    ev = {"top1": [0.5, 0.25], "top5": [0.75, 0.5], "chain_tau": 1.6, "n_prefixes": 10}
+    (run / "train_summary.json").write_text(json.dumps({
+        "arch": "dart", "steps": 3, "train_seqs": 8, "val_seqs": 2, "train_wall_s": 60.0,
+        "final_eval": ev, "config": {"arch": "dart", "depth": 2, "draft_vocab": 64}}))
+    dest = ship(run, None, "tiny-model", "make drafter-v2", dest_root=tmp_path / "artifacts",
+                notes="## Compute\n\n- GPU: 9 min; CPU: 1.5 h")
+    card = (dest / "CARD.md").read_text()
+    assert card.index("make drafter-v2") < card.index("## Compute") < card.index("## Data")
