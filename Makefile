@@ -62,8 +62,8 @@ artifacts: setup
 #    GPU drafter over both parts (weights + draft vocabulary kept; new optimizer, warmup + cosine), then shipped.
 # Every step is resumable: rerun to continue (gen-data: the first missing shard; train-drafter: its checkpoint).
 GPU_RUN ?= runs/gpu-drafter
-V2_SHARDS ?= 24
-V2_STEPS ?= 1100
+V2_SHARDS ?= 31
+V2_STEPS ?= 700
 drafter-v2-gpu:
 	RUN=$(GPU_RUN) bash scripts/gpu_drafter.sh 545
 drafter-v2: setup
@@ -72,8 +72,8 @@ drafter-v2: setup
 	  --max-shards $(V2_SHARDS)
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(GPU_RUN)/data,$(RUNS)/cpu-data --out $(RUNS)/drafter-v2 \
 	  --arch dart:8 --resume $(GPU_RUN)/main/drafter --lr-schedule fresh --max-steps $(V2_STEPS) --epochs 100 \
-	  --lr 5e-4 --warmup 30 --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 400 --eval-seqs 96 \
-	  --time-budget 2700
+	  --lr 5e-4 --warmup 30 --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 350 --eval-seqs 96 \
+	  --time-budget 2400
 	$(BIN)/dart-ray ship --run $(RUNS)/drafter-v2 --data $(GPU_RUN)/data,$(RUNS)/cpu-data \
 	  --command "make drafter-v2-gpu (on a CUDA machine), then make drafter-v2" --notes docs/drafter-v2-compute.md
 

@@ -66,7 +66,8 @@ pack data "$RUN/prompts" "$RUN/data"
 TRAIN="$DR train-drafter --data $RUN/data --arch dart:8 --epochs 1000 --max-steps 1000000 --lr 1.5e-3 \
   --warmup 40 --seqs-per-step $SEQS --max-len 384 --eval-every 50 --ckpt-every 1000000 --eval-seqs 128 \
   --dtype bf16 --device $DEV $M"
-AB=$((BUDGET * 6 / 100))
+AB=${AB_S:-$((BUDGET * 6 / 100))}  # AB_S=0: no A/B, start from the target's layer (the 2026-12-04 A/B's winner)
+if [ "$AB" -gt 0 ]; then
 say "A/B, $AB s each"
 $TRAIN --out "$RUN/ab-random" --time-budget "$AB"
 $TRAIN --out "$RUN/ab-init" --init-from-target --time-budget "$AB"
@@ -95,6 +96,13 @@ print(win, steps / ab)
 PY
 )
 say "winner $WIN, ${RATE} steps/s"
+else
+  # a 60 s probe of the step rate, which the main run resumes from (its plan is then sized)
+  say "no A/B: a 60 s rate probe from the target's layer"
+  $TRAIN --out "$RUN/ab-init" --init-from-target --time-budget 60
+  WIN=ab-init
+  RATE=$("$PY" -c "import json; print(json.load(open('$RUN/ab-init/train_summary.json'))['steps'] / 60)")
+fi
 
 # 4. the winner, resumed with a fresh plan sized to the time left (final eval + save ~30 s)
 T=$(( $(left) - 35 ))

@@ -453,15 +453,16 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
         kept += len(rows)
         by_category.update(r["category"] for r in rows)
         shard += 1
+        # after every shard: a run stopped by a signal or a time box still leaves its stats
+        stats = {"kept": kept, "shards": shard, "this_run": filters.counts,
+                 "evaluation_prompts": len(filters.eval_filter),
+                 "by_category": dict(by_category)}
+        write_text_atomic(json.dumps(stats, indent=2), out / "stats.json")
         if bar is not None:
             bar.update(len(rows))
             bar.set_postfix(shards=shard,
                             **{k: v for k, v in filters.counts.items() if k != "kept"})
     if bar is not None:
         bar.close()
-    stats = {"kept": kept, "shards": shard, "this_run": filters.counts,
-             "evaluation_prompts": len(filters.eval_filter),
-             "by_category": dict(by_category)}
-    write_text_atomic(json.dumps(stats, indent=2), out / "stats.json")
     return out
 
