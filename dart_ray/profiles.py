@@ -17,8 +17,10 @@ A profile (written by ``dart-ray tune``, loaded by the engine, server and batch 
 The engine asks ``schedule.for_batch_size(B)`` every step: the first entry whose
 ``max_batch_size >= B`` wins (entries sorted ascending; the last one covers larger batches).
 Profiles are referenced by path or by name (``$DART_RAY_PROFILES`` dir, then the shipped
-``dart_ray/artifacts/profiles``). A profile written before the ``chunk_len`` -> ``draft_depth``
-rename still loads, with a :class:`~dart_ray.config.RenamedWarning` (one release).
+``dart_ray/artifacts/profiles``). A name may have one variant per CPU class, ``NAME@CLASS.yaml``
+beside ``NAME.yaml``: the name resolves to the variant whose ``meta.fingerprint`` names this
+machine's CPU model and ISA, else to ``NAME.yaml``. A profile written before the ``chunk_len`` ->
+``draft_depth`` rename still loads, with a :class:`~dart_ray.config.RenamedWarning` (one release).
 
 **Hardware.** A profile is a measurement of one machine: ``dart-ray tune`` records the measuring
 engine's :class:`~dart_ray.hardware.Fingerprint` in ``meta.fingerprint`` (and a readable
@@ -121,10 +123,35 @@ def resolve_profile(ref: str | Path) -> Path:
     dirs = [Path(os.environ["DART_RAY_PROFILES"])] if os.environ.get("DART_RAY_PROFILES") else []
     for d in dirs + [SHIPPED]:
         cand = d / f"{ref}.yaml"
+        variants = sorted(d.glob(f"{ref}@*.yaml"))
+        if variants:
+            mine = _tuned_on_this_cpu(variants)
+            if mine is not None:
+                return mine
         if cand.is_file():
             return cand
+        if variants:
+            return variants[0]
     raise FileNotFoundError(f"no decoding profile named {ref!r} in "
                             f"{[str(d) for d in dirs + [SHIPPED]]}")
+
+
+def _tuned_on_this_cpu(paths: list[Path]) -> Path | None:
+    """The first of ``paths`` whose ``meta.fingerprint`` names this machine's CPU model and ISA
+    (the CPU class: the trade-offs a profile measures differ between classes), else None."""
+    import yaml
+
+    from dart_ray.hardware import Fingerprint
+
+    here = Fingerprint.current("cpu")
+    for p in paths:
+        try:
+            fp = (yaml.safe_load(p.read_text()) or {}).get("meta", {}).get("fingerprint") or {}
+        except (yaml.YAMLError, OSError, AttributeError):
+            continue
+        if fp.get("cpu") == here.cpu and tuple(fp.get("isa") or ()) == tuple(here.isa):
+            return p
+    return None
 
 
 def load_profile(ref: str | Path) -> DecodingSchedule:

@@ -119,6 +119,28 @@ def test_shipped_profiles_load_and_are_checked():
         assert diffs
 
 
+def test_a_name_resolves_to_the_variant_tuned_on_this_cpu_class(tmp_path, monkeypatch):
+    """``NAME@CLASS.yaml`` beside ``NAME.yaml``: the name picks the variant whose fingerprint names
+    this CPU model and ISA, else the plain file (and a lone variant when there is no plain one)."""
+    from dart_ray.profiles import resolve_profile
+
+    here = Fingerprint.current("cpu", "bf16", "m", 2)
+    monkeypatch.setenv("DART_RAY_PROFILES", str(tmp_path))
+    save_profile(_schedule(_fp()), tmp_path / "code.yaml")
+    save_profile(_schedule(_fp(cpu="Other CPU")), tmp_path / "code@other.yaml")
+    assert resolve_profile("code") == tmp_path / "code.yaml"            # no variant for this CPU
+    # this CPU class (other threads: the class is the CPU model and ISA)
+    save_profile(_schedule(dataclasses.replace(here, threads=16)), tmp_path / "code@here.yaml")
+    assert resolve_profile("code") == tmp_path / "code@here.yaml"
+    assert load_profile("code").source == str((tmp_path / "code@here.yaml").resolve())
+    isa_only = dataclasses.replace(here, isa=tuple(f for f in here.isa if f != "avx2") + ("x",))
+    save_profile(_schedule(isa_only), tmp_path / "code@here.yaml")      # same model, other ISA
+    assert resolve_profile("code") == tmp_path / "code.yaml"
+    save_profile(_schedule(_fp()), tmp_path / "chat@x.yaml")             # only a variant
+    assert resolve_profile("chat") == tmp_path / "chat@x.yaml"
+    assert resolve_profile(tmp_path / "code@other.yaml") == tmp_path / "code@other.yaml"
+
+
 # ---- warm start and resume (Optuna storage, no Ray) -----------------------------------------
 def test_warm_start_enqueues_the_profiles_knobs_first(tmp_path):
     from tuning import study as st
