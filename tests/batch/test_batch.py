@@ -437,7 +437,9 @@ def test_a_hung_actor_stalls_the_pipeline_which_resumes_exactly_once(
     stall guard stops the pipeline and the job resumes from its committed parts."""
     import threading
 
-    n = 64
+    # long enough that work is still queued for both actors when one is frozen: with 64 rows a
+    # fast CPU (Zen 5, bf16 era) finished on one actor before the freeze, and nothing stalled
+    n = 256
     ids = _ids(n)
     inp = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"id": ids, "prompt": [f"Prompt {i}: hello" for i in range(n)]}), inp)
