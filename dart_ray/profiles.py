@@ -137,19 +137,18 @@ def resolve_profile(ref: str | Path) -> Path:
 
 
 def _tuned_on_this_cpu(paths: list[Path]) -> Path | None:
-    """The first of ``paths`` whose ``meta.fingerprint`` names this machine's CPU model and ISA
-    (the CPU class: the trade-offs a profile measures differ between classes), else None."""
-    import yaml
-
+    """The first of ``paths`` whose recorded fingerprint (:func:`profile_fingerprint`) names this
+    machine's CPU model and ISA (the CPU class: the trade-offs a profile measures differ between
+    classes), else None. Unreadable variants are skipped here (loading one by path still fails)."""
     from dart_ray.hardware import Fingerprint
 
     here = Fingerprint.current("cpu")
     for p in paths:
         try:
-            fp = (yaml.safe_load(p.read_text()) or {}).get("meta", {}).get("fingerprint") or {}
-        except (yaml.YAMLError, OSError, AttributeError):
+            fp = profile_fingerprint(load_profile(p))
+        except (ValueError, TypeError, OSError):
             continue
-        if fp.get("cpu") == here.cpu and tuple(fp.get("isa") or ()) == tuple(here.isa):
+        if fp is not None and (fp.cpu, tuple(fp.isa)) == (here.cpu, tuple(here.isa)):
             return p
     return None
 
