@@ -38,6 +38,7 @@ import torch
 
 from dart_ray.training.objectives import (
     get_objective,
+    level_positions,
     pad_batch,
     select_taps,
     student_autocast,
@@ -135,10 +136,8 @@ def _score(obj, model, cfg: TrainConfig, target, taps: torch.Tensor | None,
     with student_autocast(dtype, dev):
         logits = obj.forward(model, target, taps, tokens)                   # [B, J, d, Vd]
     J = tokens.shape[1] - 1
-    pos = (torch.arange(J, device=dev)[:, None]
-           + torch.arange(1, d + 1, device=dev)[None, :])                    # [J, d]
+    pos, valid = level_positions(J, d, lens, dev)                             # [J, d], [B, J, d]
     idx = pos.clamp(max=tokens.shape[1] - 1)
-    valid = pos[None] < torch.tensor(lens, device=dev)[:, None, None]         # [B, J, d]
     tgt = truth[:, idx]                                                       # [B, J, d]
     pred5 = logits.topk(5, dim=-1).indices                                    # [B, J, d, 5]
     if t2d is not None:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from dart_ray.drafters.dart_model import DartConfig, DartModel
+from dart_ray.masks import causal_ancestors
 from dart_ray.methods import method_specs
 from dart_ray.models.rope import apply_rope
 
@@ -56,6 +57,7 @@ __all__ = [
     "get_objective",
     "init_from_target_layer",
     "kl_loss",
+    "level_positions",
     "level_targets",
     "medusa_train_forward",
     "objective_names",
@@ -370,7 +372,7 @@ def drafter_train_forward(model: DartModel, embed: torch.nn.Embedding, taps: tor
                  <= torch.arange(J, device=dev)[:, None])                       # [J(j), J(k)]
     s_ctx = s_ctx.masked_fill(~prefix_ok[None, None, :, None, :], float("-inf"))
     s_blk = torch.einsum("xhjmd,xhjnd->xhjmn", mq, mk) * scale                  # [1, nh, J, M, M]
-    causal = torch.ones(M, M, dtype=torch.bool, device=dev).tril()
+    causal = causal_ancestors(M, dev)
     s_blk = s_blk.masked_fill(~causal, float("-inf")).expand(B, -1, -1, -1, -1)
     p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)                # [B, nh, J, M, J+M]
     p_ctx, p_blk = p.split([J, M], dim=-1)
@@ -411,7 +413,7 @@ def eagle_train_forward(model: DartModel, embed: torch.nn.Embedding, taps: torch
     cos_t, sin_t = model.rope(L + K + 1, h)
     scale = 1.0 / math.sqrt(hd)
     dev = tokens.device
-    prefix_ok = torch.ones(J, J, dtype=torch.bool, device=dev).tril()        # key k <= prefix j
+    prefix_ok = causal_ancestors(J, dev)                                     # key k <= prefix j
     outs: list[torch.Tensor] = []
     own_k: list[torch.Tensor] = []
     own_v: list[torch.Tensor] = []
@@ -471,16 +473,22 @@ def sps_train_forward(model, embed: torch.nn.Embedding, tokens: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 # targets and loss (every objective)
 # ---------------------------------------------------------------------------------------------
+def level_positions(J: int, depth: int, lens: list[int],
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position j+t of prefix j's level t (t = 1..depth) [J, d], and whether it lies inside each
+    sequence of lengths ``lens`` [B, J, d] (what training targets and evaluation both score)."""
+    idx = (torch.arange(J, device=device)[:, None]
+           + torch.arange(1, depth + 1, device=device)[None, :])            # [J, d]
+    return idx, idx[None] < torch.tensor(lens, device=device)[:, None, None]
+
+
 def level_targets(top_id: torch.Tensor, top_lp: torch.Tensor, t2d: torch.Tensor | None, depth: int,
                   lens: list[int]):
     """Teacher for prefix j, level t = teacher at position j+t -> ids/probs [B, J, d, K] (+ valid
     mask)."""
     B, L, K = top_id.shape
     J = L - 1
-    dev = top_id.device
-    idx = (torch.arange(J, device=dev)[:, None]
-           + torch.arange(1, depth + 1, device=dev)[None, :])           # [J, d] source position
-    valid = idx[None] < torch.tensor(lens, device=dev)[:, None, None]   # [B, J, d]
+    idx, valid = level_positions(J, depth, lens, top_id.device)         # [J, d], [B, J, d]
     idxc = idx.clamp(max=L - 1)
     ids = top_id[:, idxc]                                               # [B, J, d, K]
     lp = top_lp[:, idxc]                                                # [B, J, d, K]
