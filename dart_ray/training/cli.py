@@ -96,7 +96,7 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
                         threads=a.threads,
                         max_shards=a.max_shards, prompts_dir=a.prompts,
                         followup_temperature=a.followup_temperature, device=a.device,
-                        exclude_data=[d for d in a.exclude_data.split(",") if d])
+                        exclude_data=a.exclude_data or None)
     print(f"data in {out}")
     return 0
 

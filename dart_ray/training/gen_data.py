@@ -47,14 +47,15 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
                   | None = None, progress: bool = True, corpus: list[dict] | None = None,
                   max_shards: int | None = None, prompts_dir: str | Path | None = None,
                   followup_temperature: float = 0.7, engine=None, device: str = "cpu",
-                  exclude_data: list[str | Path] = ()) -> Path:
+                  exclude_data: str | Path | None = None) -> Path:
     """Generate target answers for ``corpus`` (default: :func:`build_corpus`, its chat half from
     ``prompts_dir`` when given) into parquet shards (only the first ``max_shards`` shards when
     given: a budgeted run that a later call may extend). ``method``: the engine's method (any is
     exact under greedy decoding; ``none`` where speculation does not pay, e.g. large batches on a
-    GPU); ``device``: where the target runs. ``exclude_data``: data directories whose prompts are
-    answered already (e.g. by a run on another machine): their rows are left out of this corpus,
-    so ``train-drafter --data THIS,THAT`` trains on both without duplicates."""
+    GPU); ``device``: where the target runs. ``exclude_data``: data directories (one, or a comma
+    list) whose prompts are answered already (e.g. by a run on another machine): their rows are
+    left out of this corpus, so ``train-drafter --data THIS,THAT`` trains on both without
+    duplicates."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -126,16 +127,18 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
     return out
 
 
-def answered_prompts(data_dirs) -> set[str]:
-    """The prompts of every self-distillation shard in ``data_dirs``."""
+def answered_prompts(data_dirs: str | Path) -> set[str]:
+    """The prompts of every self-distillation shard in ``data_dirs`` (a directory or a comma list,
+    as :func:`data_files` reads them; teacher-only text rows are not answers)."""
     import pyarrow.parquet as pq
 
+    try:
+        files = data_files(data_dirs)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e} (--exclude-data)") from e
     out: set[str] = set()
-    for d in data_dirs:
-        files = sorted(Path(d).glob("shard-*.parquet"))
-        if not files:
-            raise FileNotFoundError(f"no shard-*.parquet in {d} (--exclude-data)")
-        for f in files:
+    for f in files:
+        if f.name.startswith("shard-"):
             out.update(pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist())
     return out
 

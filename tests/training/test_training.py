@@ -599,7 +599,7 @@ def test_data_made_in_parts_trains_as_one(tmp_path, tiny_dirs):
     first = _answered(tmp_path / "a", tiny_dirs, corpus[:5], shard_size=5)
     second = generate_data(tmp_path / "b", model=str(tiny_dirs["llama"]), dtype="fp32",
                            method="none", corpus=corpus, progress=False, max_new_tokens=12,
-                           batch_size=4, shard_size=5, exclude_data=[first])
+                           batch_size=4, shard_size=5, exclude_data=str(first))
     whole = _answered(tmp_path / "w", tiny_dirs, corpus, shard_size=5)
 
     def prompts(d):
@@ -616,7 +616,7 @@ def test_data_made_in_parts_trains_as_one(tmp_path, tiny_dirs):
         load_rows(f"{first},{tmp_path / 'missing'}", "train")
     with pytest.raises(FileNotFoundError, match="exclude-data"):
         generate_data(tmp_path / "c", model=str(tiny_dirs["llama"]), corpus=corpus,
-                      exclude_data=[tmp_path / "missing"], progress=False)
+                      exclude_data=str(tmp_path / "missing"), progress=False)
     # training reads the union; the parts named in the other order are other data to a restart
     # (another batch order), which the fingerprint tells apart
     seqs = [(ids, n) for ids, n, _ in load_rows(both, "train")]
