@@ -182,6 +182,14 @@ class DTypeChoice:
         return dataclasses.asdict(self)
 
 
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the work queued on an asynchronous device (CUDA) before a clock is read; a no-op
+    on the CPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def _time_linear(dtype: torch.dtype, device: torch.device, rows: int, reps: int = 5) -> float:
     """Best-of-``reps`` seconds of ``x @ W.T`` with a transformer-MLP-sized weight."""
     g = torch.Generator().manual_seed(0)
@@ -190,13 +198,11 @@ def _time_linear(dtype: torch.dtype, device: torch.device, rows: int, reps: int 
     best = float("inf")
     with torch.inference_mode():
         for _ in range(reps + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             t0 = time.perf_counter()
             for _ in range(4):
                 torch.nn.functional.linear(x, w)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             best = min(best, (time.perf_counter() - t0) / 4)
     return best
 

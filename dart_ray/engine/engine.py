@@ -32,7 +32,7 @@ from dart_ray.engine.cost import TOKEN_GRID, CostModel, batch_grid, load_or_meas
 from dart_ray.engine.detok import RequestText
 from dart_ray.engine.metrics import EngineStats
 from dart_ray.engine.request import Completion, Request, RequestOutput
-from dart_ray.hardware import DTypeChoice, Fingerprint
+from dart_ray.hardware import DTypeChoice, Fingerprint, synchronize
 from dart_ray.masks import attention_mask, causal_ancestors
 from dart_ray.models.loading import LoadedTarget
 from dart_ray.profiles import DecodingSchedule
@@ -176,8 +176,7 @@ class Engine:
         out = self.model(tokens, positions, mask, self.cache, rows=slice(0, B), starts=starts,
                          taps=self.drafter.taps, return_logits=False)
         self.model.head(out.hidden[:, : (T + 1) // 2])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
     def _maybe_pack(self, pack: bool | None) -> None:
         from dart_ray.models.packing import (

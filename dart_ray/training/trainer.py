@@ -46,7 +46,7 @@ from typing import Self
 
 import torch
 
-from dart_ray.hardware import DTypeChoice, resolve_dtype
+from dart_ray.hardware import DTypeChoice, resolve_dtype, synchronize
 from dart_ray.methods import method_specs
 from dart_ray.models.packing import pack_linears, packing_supported
 from dart_ray.training.checkpoint import (
@@ -302,7 +302,7 @@ class _Student:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.opt.step()
-        _sync(self.device)  # the wall time of an asynchronous device counts the work done
+        synchronize(self.device)  # the wall time of an asynchronous device counts the work done
         self.step += 1
         self.wall_s += time.perf_counter() - t0
         value, levels = float(loss.detach()), per_level.tolist()
@@ -529,7 +529,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             t0 = time.perf_counter()
             taps, top_id, top_lp = teacher_pass(target, cache, tokens, lens, tap_order,
                                                 cfg.teacher_topk)
-            _sync(dev)
+            synchronize(dev)
             # the shared teacher pass, split evenly
             teacher_s = (time.perf_counter() - t0) / len(students)
             losses = {}
@@ -591,11 +591,6 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         plot_metrics(st.log.records(), st.out / "training.png", title=f"{st.cfg.arch} drafter")
         summaries[st.cfg.arch] = summary
     return summaries[cfg.arch]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _save_bf16(model, path: Path) -> None:
