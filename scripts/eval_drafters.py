@@ -12,7 +12,6 @@ is by prompt hash, so no drafter trained on them if it trained on a split of the
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig(data=a.data, out="-", arch=model.cfg.arch, depth=model.cfg.depth,
                           seqs_per_step=a.seqs_per_step, max_len=a.max_len,
                           draft_vocab=model.cfg.draft_vocab or 0)
-        students.append((model, dataclasses.replace(cfg)))
+        students.append((model, cfg))
         names.append(name)
     cache = tgt.model.new_cache(a.seqs_per_step, a.max_len + 8)
     t2d = torch.zeros(1)  # non-None: each drafter maps its predictions through its own d2t
