@@ -190,36 +190,59 @@ def synchronize(device: str | torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _time_linear(dtype: torch.dtype, device: torch.device, rows: int, reps: int = 5) -> float:
-    """Best-of-``reps`` seconds of ``x @ W.T`` with a transformer-MLP-sized weight."""
+DTYPE_PROBE_LINEARS = 24
+"""Linears of the dtype probe: 24 x (1536 x 576) = 21M weights (85 MB fp32), a decode step's
+working set in miniature. One small linear sits in the cache and hides what decides a decode
+step on a CPU, the bytes of weights read per token: on the AMX Xeon one 1536 x 576 linear at 1 row
+measured bf16 1.40x *slower* than fp32 (so ``auto`` chose fp32), while SmolLM2's real step ran
+bf16 (packed) about 2x faster than fp32."""
+
+
+def _time_linears(dtype: torch.dtype, device: torch.device, rows: int, reps: int = 5) -> float:
+    """Best-of-``reps`` seconds of a chain of :data:`DTYPE_PROBE_LINEARS` MLP-sized linears at
+    ``rows`` rows, held the way the engine holds them on this device: oneDNN-prepacked on a CPU
+    where that is available for bf16, or measured faster for fp32
+    (:func:`dart_ray.models.packing.packing_supported`), else dense."""
+    from dart_ray.models.packing import PackedLinear, packing_supported
+
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(1536, 576, generator=g).to(device=device, dtype=dtype)
+    ws = [torch.randn(1536, 576, generator=g).mul_(0.02).to(device=device, dtype=dtype)
+          for _ in range(DTYPE_PROBE_LINEARS)]
+    pack = packing_supported(device, dtype)
+    layers = [PackedLinear(w, None) if pack else functools.partial(torch.nn.functional.linear,
+                                                                     weight=w) for w in ws]
     x = torch.randn(rows, 576, generator=g).to(device=device, dtype=dtype)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(reps + 1):
             synchronize(device)
             t0 = time.perf_counter()
-            for _ in range(4):
-                torch.nn.functional.linear(x, w)
+            for layer in layers:
+                layer(x)
             synchronize(device)
-            best = min(best, (time.perf_counter() - t0) / 4)
+            best = min(best, time.perf_counter() - t0)
     return best
 
 
 def measure_bf16_vs_fp32(device: str | torch.device) -> dict[str, float]:
-    """Seconds of one linear at 1 row (a decode step) and 64 rows (a draft tree), bf16 and fp32."""
+    """Seconds of a model-sized chain of linears at 1 row (a decode step) and 64 rows (a draft
+    tree), bf16 and fp32, each held as the engine would hold it here (packed or dense)."""
     dev = torch.device(device)
-    return {f"{name}_{rows}": _time_linear(dt, dev, rows)
+    return {f"{name}_{rows}": _time_linears(dt, dev, rows)
             for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)) for rows in (1, 64)}
+
+
+DTYPE_PROBE_VERSION = 2
+"""Bumped when the dtype probe changes, so a decision cached by an older probe is measured anew
+(v1 timed one cache-resident dense linear)."""
 
 
 def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DTypeChoice:
     """``auto`` -> bf16 where it is supported and measured at least as fast as fp32, else fp32.
 
-    Capability first (no bf16 hardware -> fp32, no measurement); then a ~0.1 s timing of one linear
-    at 1 and 64 rows, cached per fingerprint under ``$DART_RAY_CACHE/hardware``. A concrete dtype
-    passes through unchanged.
+    Capability first (no bf16 hardware -> fp32, no measurement); then a ~0.5 s timing of a
+    model-sized chain of linears at 1 and 64 rows (:func:`measure_bf16_vs_fp32`), cached per
+    fingerprint under ``$DART_RAY_CACHE/hardware``. A concrete dtype passes through unchanged.
     """
     if requested != "auto":
         return DTypeChoice(requested, requested, "requested")
@@ -227,7 +250,7 @@ def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DTypeCh
         return DTypeChoice("fp32", "auto",
                            "no native bf16 on this device (oneDNN/CUDA report none)")
     fp = Fingerprint.current(device)
-    name = f"dtype-{fp.key()}.json"
+    name = f"dtype-v{DTYPE_PROBE_VERSION}-{fp.key()}.json"
     t = read_cached(name)
     if not t or not all(k in t for k in ("bf16_1", "bf16_64", "fp32_1", "fp32_64")):
         t = measure_bf16_vs_fp32(device)

@@ -71,6 +71,9 @@ STALL_S + ~40 s)."""
 STALL_S = 60.0
 """The job's stall guard: Ray Data usually re-runs the lost actor's batches itself, but its pool can
 wait forever for a lost actor (seen once in CI); then the job stops and resumes the pipeline."""
+NODE_LOSS_TOKENS = 48
+"""Tokens per row of the node-loss job: long enough that a batch is still running when its node
+goes (at 16, a fast CPU finished batches so quickly that the victim was between two at the kill)."""
 
 SERVE_ARGS = {"method": "none", "dtype": "fp32", "max_batch_size": 4, "max_seq_len": 1024,
               "num_threads": 1, "num_cpus": 0.5, "max_queue": 32, "served_model_name": "tiny"}
@@ -640,7 +643,8 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
     cfg = BatchJobConfig(input=str(inp), output=str(out),
                          engine=EngineConfig(model=str(tiny_model), method="none", dtype="fp32",
                                              max_seq_len=256, max_batch_size=4, num_threads=1),
-                         sampling=SamplingParams(max_new_tokens=16, ignore_eos=True), concurrency=2,
+                         sampling=SamplingParams(max_new_tokens=NODE_LOSS_TOKENS, ignore_eos=True),
+                         concurrency=2,
                          batch_size=4, num_cpus_per_actor=0.5, progress=False,
                          stall_timeout_s=STALL_S)
     result: dict = {}
@@ -651,13 +655,21 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
         except Exception as e:  # noqa: BLE001 - a failed first run is resumed below
             result["error"] = e
 
+    def in_flight() -> int:
+        """Batches a worker has started (attempt recorded) but not yet committed."""
+        started = {p.name.split(".")[0] for p in store.attempts.glob("*.parquet")}
+        committed = {p.stem.removeprefix("part-") for p in store.part_paths()}
+        return len(started - committed)
+
     t0 = time.monotonic()
     runner = threading.Thread(target=job, daemon=True)
     runner.start()
-    # both engine actors up (one per node: Ray Data spreads its actor pool), a few parts committed
+    # both engine actors up (one per node: Ray Data spreads its actor pool), a few parts committed,
+    # and both mid-batch: on a fast CPU an actor is otherwise often between batches at the kill,
+    # and a batch that was only queued to it is not a retry (nothing had started it)
     wait_for(lambda: len({a["node"] for a in actors("_PartWriter")}) == 2
-                     and len(store.part_paths()) >= 4,
-             JOB_BOUND_S / 2, "the job running on both nodes")
+                     and len(store.part_paths()) >= 4 and in_flight() >= 2,
+             JOB_BOUND_S / 2, "the job running on both nodes, each mid-batch")
     victim = cluster.name_of(actors("_PartWriter")[0]["node"])
     parts_at_kill = len(store.part_paths())
     assert parts_at_kill < n // cfg.batch_size, "the job finished before the node was lost"
@@ -676,7 +688,7 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
     got = table.column("id").to_pylist()
     assert sorted(got) == ids                                    # every id exactly once
     assert table.column("error").null_count == n \
-        and set(table.column("num_completion_tokens").to_pylist()) == {16}
+        and set(table.column("num_completion_tokens").to_pylist()) == {NODE_LOSS_TOKENS}
     last = json.loads((store.meta / "last_run.json").read_text())
     assert last["ok"] and last["retried_rows"] == summary.retried_rows
     assert summary.retried_rows >= 1, summary.retries             # the lost node's batch ran again
