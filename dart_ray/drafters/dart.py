@@ -130,29 +130,49 @@ class DartDrafter(Drafter):
         return x, plen, P
 
     @torch.inference_mode()
-    def draft_logits(self, B: int, depth: int) -> torch.Tensor:
-        """One drafter forward over rows 0..B-1 -> [B, depth, V] float32 level logits (``depth``:
-        the draft depth used this step, <= ``max_draft_depth``)."""
+    def _level_logits(self, B: int, depth: int) -> torch.Tensor:
+        """One drafter forward over rows 0..B-1 -> [B, depth, Vd] level logits over the draft
+        vocabulary (``Vd = V`` without one)."""
         M = depth - 1
         x, plen, P = self._context_block(B, M)                             # [B, P+M, H]
         sel = torch.cat([plen - 1, P + torch.arange(M, device=x.device)[None, :].expand(B, M)],
                         dim=1)  # [B, d]
         hsel = torch.gather(x, 1, sel.unsqueeze(-1).expand(-1, -1, x.shape[-1]))        # [B, d, H]
-        logits = self.model.logits(self.model.norm(hsel), self.head_weight).float()     # [B, d, Vd]
+        return self.model.logits(self.model.norm(hsel), self.head_weight)             # [B, d, Vd]
+
+    def draft_logits(self, B: int, depth: int) -> torch.Tensor:
+        """One drafter forward over rows 0..B-1 -> [B, depth, V] float32 level logits over the
+        target vocabulary (``depth``: the draft depth used this step, <= ``max_draft_depth``)."""
+        logits = self._level_logits(B, depth).float()
         if self.model_cfg.draft_vocab is not None:
             logits = to_target_vocab(logits, self.model.d2t, self.model_cfg.target_vocab)
         return logits
 
+    @torch.inference_mode()
+    def draft_candidates(self, B: int, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter forward -> each level's top-``k`` candidates: logits [B, depth, k] float32
+        (sorted descending) and target token ids [B, depth, k]. The top-k is taken over the draft
+        vocabulary and mapped through ``d2t``: the candidates of :meth:`draft_logits`, without
+        widening [B, d, Vd] to the target's vocabulary first."""
+        from dart_ray.tree.search import topk_last
+
+        logits = self._level_logits(B, depth)                               # [B, d, Vd]
+        vals, idx = topk_last(logits, min(k, logits.shape[-1]))           # [B, d, k] each
+        if self.model_cfg.draft_vocab is not None:
+            idx = self.model.d2t[idx]                                      # target ids
+        return vals.float(), idx
+
     def propose(self, view: BatchView) -> TokenTree:
-        from dart_ray.tree.search import build_trees
+        from dart_ray.tree.search import build_trees_from_candidates
 
         decoding = view.decoding
         depth = min(decoding.draft_depth, self.max_draft_depth)
         B = view.batch_size
-        logits = self.draft_logits(B, depth)
+        vals, ids = self.draft_candidates(B, depth, decoding.top_k)
         t0 = time.perf_counter()
         ctx = view.tail_context(max(getattr(self.ngram, "order", 3) - 2, 1))
-        tree = build_trees(view.roots, logits, decoding, context=ctx, ngram=self.ngram)
+        tree, _ = build_trees_from_candidates(view.roots, vals, ids, decoding, context=ctx,
+                                              ngram=self.ngram)
         if decoding.lookup_paths:
             tree = merge_paths(tree, self._lookup_paths(view, decoding.lookup_len))
         self.tree_time_s += time.perf_counter() - t0

@@ -11,7 +11,7 @@ the ``d`` levels):
 1. ``d = min(decoding.draft_depth, draft_logits.shape[1])`` (the draft depth used),
    ``k = min(decoding.top_k, V)``. One ``topk`` over the vocabulary for all levels:
    ``[B, d, V] -> [B, d, k]`` (an exact two-stage block-max topk for large V, see
-   :func:`_topk_last`); ``p_draft`` is the softmax over those ``k`` logits (renormalised). A
+   :func:`topk_last`); ``p_draft`` is the softmax over those ``k`` logits (renormalised). A
    candidate whose logit is ``-inf`` (masked token) gets score ``-inf`` and is never put in the
    tree.
 2. Level 0: the ``k`` candidates are children of the root with score
@@ -58,11 +58,11 @@ import numpy as np
 import torch
 
 from dart_ray.config import DecodingConfig
-from dart_ray.tree.tree import TokenTree
+from dart_ray.tree.tree import TokenTree, empty_tree
 
-__all__ = ["NGramScorer", "build_trees", "build_trees_with_scores"]
+__all__ = ["NGramScorer", "build_trees", "build_trees_from_candidates", "build_trees_with_scores",
+           "topk_last"]
 
-_NEG_INF = float("-inf")
 
 
 @runtime_checkable
@@ -116,9 +116,7 @@ def build_trees_with_scores(
         ``(tree, scores)``: ``tree`` has ``[B, 1+N]`` tensors, ``N <= decoding.tree_budget``;
         ``scores`` is ``[B, 1+N]`` float32 (root 0, padding ``-inf``).
     """
-    # ---------------------------------------------------------------- validation
-    if not isinstance(decoding, DecodingConfig):
-        raise TypeError(f"decoding must be a DecodingConfig, got {type(decoding).__name__}")
+    _check_decoding(decoding)
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [B, d, V], got shape {tuple(draft_logits.shape)}")
     if not draft_logits.is_floating_point():
@@ -126,6 +124,40 @@ def build_trees_with_scores(
     B, D, V = draft_logits.shape
     if D < 1 or V < 1:
         raise ValueError(f"draft_logits needs >= 1 level and >= 1 vocab entry, got {(B, D, V)}")
+    d = min(decoding.draft_depth, D)
+    top_v, top_i = topk_last(draft_logits[:, :d], min(decoding.top_k, V))   # [B, d, k] each
+    return build_trees_from_candidates(roots, top_v, top_i, decoding, context=context, ngram=ngram)
+
+
+def build_trees_from_candidates(
+    roots: torch.Tensor,
+    cand_logits: torch.Tensor,
+    cand_ids: torch.Tensor,
+    decoding: DecodingConfig,
+    context: torch.Tensor | None = None,
+    ngram: NGramScorer | None = None,
+) -> tuple[TokenTree, torch.Tensor]:
+    """:func:`build_trees_with_scores` from each level's top-k candidates, taken by the caller.
+
+    A drafter with a reduced draft vocabulary takes ``topk`` over its own ``Vd`` logits and maps the
+    ids to the target's (``d2t``) instead of scattering ``[B, d, Vd]`` into ``[B, d, V]`` first:
+    the same candidates, a fraction of the work.
+
+    Args:
+        cand_logits: ``[B, d, k]`` float logits of each level's candidates, sorted descending along
+            ``k`` (``-inf`` = no candidate); the candidate probabilities are their softmax over
+            ``k``. Only the first ``min(decoding.draft_depth, d)`` levels are used.
+        cand_ids: ``[B, d, k]`` int64 target token ids of those candidates (distinct per level).
+        Others as in :func:`build_trees_with_scores`.
+    """
+    # ---------------------------------------------------------------- validation
+    _check_decoding(decoding)
+    if cand_logits.dim() != 3 or cand_ids.shape != cand_logits.shape:
+        raise ValueError("cand_logits and cand_ids must both be [B, d, k], got shapes "
+                         f"{tuple(cand_logits.shape)} and {tuple(cand_ids.shape)}")
+    if not cand_logits.is_floating_point():
+        raise ValueError(f"cand_logits must be floating point, got {cand_logits.dtype}")
+    B, D, k = cand_logits.shape
     if roots.shape != (B,):
         raise ValueError(f"roots must be [B]={[B]}, got shape {tuple(roots.shape)}")
     if roots.is_floating_point() or roots.dtype == torch.bool:
@@ -143,166 +175,151 @@ def build_trees_with_scores(
             raise ValueError(f"ngram.order must be an int >= 1, got {order!r}")
         o1 = int(order) - 1
 
-    dev = draft_logits.device
-    roots = roots.to(device=dev, dtype=torch.long)  # [B]
-    if B == 0:
-        empty_l = torch.empty((0, 1), dtype=torch.long, device=dev)
-        tree = TokenTree(tokens=empty_l, parents=empty_l.clone(), depths=empty_l.clone(),
-                         valid=torch.empty((0, 1), dtype=torch.bool, device=dev))
-        return tree, torch.empty((0, 1), dtype=torch.float32, device=dev)
-
+    dev = cand_logits.device
+    if B == 0 or D == 0 or k == 0:
+        tree = empty_tree(roots.to(device=dev, dtype=torch.long))
+        return tree, torch.zeros((B, 1), dtype=torch.float32, device=dev)
     d = min(decoding.draft_depth, D)
-    k = min(decoding.top_k, V)
-    W = decoding.beam_width
-    eps = decoding.eps
-    a = decoding.level_weight_exp
-    lvl_w = [(lvl + 1) ** (-a) for lvl in range(d)]  # level weight (l+1)^-a
-    draft_w = torch.tensor([lvl_w[lvl] * decoding.logit_weight_base ** lvl for lvl in range(d)],
-                           dtype=torch.float32, device=dev)  # [d]
-
-    # ---------------------------------------------------------------- per-level candidates
-    top_v, top_i = _topk_last(draft_logits[:, :d], k)       # [B, d, k] each, sorted desc
-    top_v = top_v.float()                                   # [B, d, k]
-    if bool((torch.isnan(top_v) | torch.isposinf(top_v)).any()):
+    # The search itself runs on host numpy arrays: at these sizes (a few thousand pool nodes) each
+    # torch op costs more in dispatch than in work, numpy's a fraction of that. One copy in
+    # ([B, d, k] candidates), one out (the tree), whatever the device.
+    top_v = cand_logits[:, :d].float().cpu().numpy()                          # [B, d, k]
+    top_i = cand_ids[:, :d].to(torch.long).cpu().numpy()                      # [B, d, k]
+    if bool((np.isnan(top_v) | np.isposinf(top_v)).any()):
         raise ValueError("draft_logits contain NaN or +inf")
-    finite = top_v > _NEG_INF                               # [B, d, k]
-    p_draft = torch.softmax(top_v, dim=-1)                  # [B, d, k] (NaN if a level is all -inf)
-    p_draft = torch.where(finite, p_draft, torch.zeros_like(p_draft))  # [B, d, k]
-    d_inc = torch.log(p_draft + eps) * draft_w[None, :, None]  # [B, d, k] draft term per level
-    d_inc = d_inc.masked_fill(~finite, _NEG_INF)               # [B, d, k]
-
-    # N-gram tail of the committed text + root: last o1 tokens, left-padded with -1.
+    roots_np = roots.to(torch.long).cpu().numpy()                             # [B]
+    tail = None
     if use_ngram:
-        if context is None:
-            hist = roots[:, None]                                            # [B, 1]
-        else:
-            ctx_ids = context.to(device=dev, dtype=torch.long)               # [B, c]
-            hist = torch.cat([ctx_ids, roots[:, None]], 1)                   # [B, c+1]
+        hist = roots_np[:, None]                                              # [B, 1]
+        if context is not None:
+            hist = np.concatenate([context.to(torch.long).cpu().numpy(), hist], 1)  # [B, c+1]
         if hist.shape[1] < o1:
-            pad = torch.full((B, o1 - hist.shape[1]), -1, dtype=torch.long, device=dev)  # [B, pad]
-            hist = torch.cat([pad, hist], 1)                                 # [B, >=o1]
-        base_tail = hist[:, hist.shape[1] - o1:]                             # [B, o1]
+            hist = np.concatenate([np.full((B, o1 - hist.shape[1]), -1, np.int64), hist], 1)
+        tail = hist[:, hist.shape[1] - o1:]                                   # [B, o1]
+    tokens, parents, depths, valid, scores = _beam_search(top_v, top_i, decoding, ngram
+                                                          if use_ngram else None, tail, o1)
+    cols = [np.concatenate([roots_np[:, None], tokens], 1),                   # [B, 1+N]
+            np.concatenate([np.full((B, 1), -1, np.int64), parents], 1),
+            np.concatenate([np.zeros((B, 1), np.int64), depths], 1)]
+    tree = TokenTree(*(torch.from_numpy(c).to(dev) for c in cols),
+                     valid=torch.from_numpy(np.concatenate([np.ones((B, 1), bool), valid], 1))
+                     .to(dev))
+    out_scores = torch.from_numpy(np.concatenate([np.zeros((B, 1), np.float32), scores], 1))
+    return tree, out_scores.to(dev)
 
-    # ---------------------------------------------------------------- pool (level-major)
-    # Pool slot 0 is the root; pool node with id i lives in slot i + 1.
-    pool_tok: list[torch.Tensor] = []    # per level [B, n_l] int64
-    pool_par: list[torch.Tensor] = []    # per level [B, n_l] parent slot
-    pool_score: list[torch.Tensor] = []  # per level [B, n_l] float32
-    pool_eff: list[torch.Tensor] = []    # per level [B, n_l] path-min score
-    pool_sizes: list[int] = []
 
-    # Level 0: children of the root, no N-gram term.
-    s0 = d_inc[:, 0]                                                     # [B, k]
-    tok0 = top_i[:, 0]                                                   # [B, k]
-    pool_tok.append(tok0)
-    pool_par.append(torch.zeros((B, k), dtype=torch.long, device=dev))   # [B, k] parent = root slot
-    pool_score.append(s0)
-    pool_eff.append(s0)
-    pool_sizes.append(k)
+def _check_decoding(decoding) -> None:
+    if not isinstance(decoding, DecodingConfig):
+        raise TypeError(f"decoding must be a DecodingConfig, got {type(decoding).__name__}")
 
+
+def _stable_desc(x: np.ndarray) -> np.ndarray:
+    """Indices sorting each row of ``x`` ([B, n] float32, no NaN) by value descending, exact ties
+    by lower index first (-0.0 ties +0.0)."""
+    return np.argsort(-x, axis=1, kind="stable")
+
+
+def _beam_search(top_v: np.ndarray, top_i: np.ndarray, decoding: DecodingConfig,
+                 ngram: NGramScorer | None, tail: np.ndarray | None, o1: int):
+    """The beam search and selection of the module docstring on host arrays.
+
+    ``top_v``/``top_i`` [B, d, k] candidates (sorted descending), ``tail`` [B, o1] the N-gram
+    context after the root (None without an N-gram term). Returns the draft nodes in priority
+    order, padded: tokens, parents (0 = root), depths, valid [B, N] and scores [B, N] float32.
+    """
+    B, d, k = top_v.shape
+    W, eps = decoding.beam_width, decoding.eps
+    lvl_w = [(lvl + 1) ** (-decoding.level_weight_exp) for lvl in range(d)]    # (l+1)^-a
+    draft_w = np.array([lvl_w[lvl] * decoding.logit_weight_base ** lvl for lvl in range(d)],
+                       dtype=np.float32)                                      # [d]
+    finite = top_v > -np.inf                                                  # [B, d, k]
+    # softmax over the k candidates (a level with no candidate: all zero)
+    vmax = np.where(finite.any(-1, keepdims=True), top_v.max(-1, keepdims=True), 0.0)
+    e = np.where(finite, np.exp(top_v - vmax), 0.0)                           # [B, d, k]
+    tot = e.sum(-1, keepdims=True)
+    p_draft = (e / np.where(tot > 0, tot, 1.0)).astype(np.float32)            # [B, d, k]
+    with np.errstate(divide="ignore"):
+        d_inc = np.log(p_draft + np.float32(eps)) * draft_w[None, :, None]   # [B, d, k]
+    d_inc[~finite] = -np.inf
+
+    rows = np.arange(B)[:, None]                                              # [B, 1]
+    # Pool (level-major). Slot 0 is the root; pool node i lives in slot i + 1.
+    s0 = d_inc[:, 0]                                                          # [B, k]
+    pool_tok, pool_par, pool_score, pool_eff = [top_i[:, 0]], [np.zeros((B, k), np.int64)], \
+        [s0], [s0]
+    pool_sizes = [k]
     if d > 1:
         nb = min(W, k)
-        bidx = torch.sort(s0, dim=1, descending=True, stable=True).indices[:, :nb]  # [B, nb]
-        beam_score = s0.gather(1, bidx)                                  # [B, nb]
-        beam_eff = beam_score                                            # [B, nb]
-        beam_slot = bidx + 1                                             # [B, nb] pool slot
-        beam_tok = tok0.gather(1, bidx)                                  # [B, nb]
-        if use_ngram:
-            beam_tail = _push(base_tail[:, None, :].expand(B, nb, o1), beam_tok, o1)  # [B, nb, o1]
-    offset = k  # pool nodes so far
-
+        bidx = _stable_desc(s0)[:, :nb]                                       # [B, nb]
+        beam_score = beam_eff = s0[rows, bidx]                                # [B, nb]
+        beam_slot = bidx + 1                                                  # [B, nb] pool slot
+        if ngram is not None:
+            beam_tail = _push(np.broadcast_to(tail[:, None, :], (B, nb, o1)),
+                              top_i[:, 0][rows, bidx], o1)                    # [B, nb, o1]
+    offset = k
     for lvl in range(1, d):
-        cand_tok = top_i[:, lvl]                                           # [B, k]
-        inc = d_inc[:, lvl][:, None, :]                                    # [B, 1, k]
-        if use_ngram:
-            ctx = beam_tail[:, :, None, :].expand(B, nb, k, o1)                  # [B, nb, k, o1]
-            ctx = ctx.reshape(B * nb * k, o1)                                     # [B*nb*k, o1]
-            toks = cand_tok[:, None, :].expand(B, nb, k).reshape(-1)              # [B*nb*k]
-            p_ng = _ngram_prob(ngram, ctx, toks, decoding.ngram_min_count)        # [B*nb*k]
-            ng_w = lvl_w[lvl] * decoding.ngram_weight
-            inc = inc + ng_w * torch.log(p_ng.to(dev).view(B, nb, k) + eps)      # [B, nb, k]
-        child = beam_score[:, :, None] + inc                             # [B, nb, k]
-        child_eff = torch.minimum(child, beam_eff[:, :, None])           # [B, nb, k]
+        cand_tok = top_i[:, lvl]                                              # [B, k]
+        inc = d_inc[:, lvl][:, None, :]                                       # [B, 1, k]
+        if ngram is not None:
+            ctx = np.broadcast_to(beam_tail[:, :, None, :], (B, nb, k, o1)).reshape(B * nb * k, o1)
+            toks = np.broadcast_to(cand_tok[:, None, :], (B, nb, k)).reshape(-1)   # [B*nb*k]
+            p_ng = _ngram_prob(ngram, ctx, toks, decoding.ngram_min_count)    # [B*nb*k]
+            ng_w = np.float32(lvl_w[lvl] * decoding.ngram_weight)
+            inc = inc + ng_w * np.log(p_ng.reshape(B, nb, k) + np.float32(eps))   # [B, nb, k]
+        child = beam_score[:, :, None] + inc                                  # [B, nb, k]
         n_l = nb * k
-        child = child.reshape(B, n_l)                                    # [B, nb*k]
-        child_tok = cand_tok[:, None, :].expand(B, nb, k).reshape(B, n_l)  # [B, nb*k]
+        child_eff = np.minimum(child, beam_eff[:, :, None]).reshape(B, n_l)   # [B, nb*k]
+        child = child.reshape(B, n_l)                                         # [B, nb*k]
+        child_tok = np.broadcast_to(cand_tok[:, None, :], (B, nb, k)).reshape(B, n_l)
         pool_tok.append(child_tok)
-        pool_par.append(beam_slot[:, :, None].expand(B, nb, k).reshape(B, n_l))  # [B, nb*k]
+        pool_par.append(np.repeat(beam_slot, k, axis=1))                      # [B, nb*k]
         pool_score.append(child)
-        pool_eff.append(child_eff.reshape(B, n_l))
+        pool_eff.append(child_eff)
         pool_sizes.append(n_l)
-
         if lvl < d - 1:  # next beams
             nb2 = min(W, n_l)
-            ranked = torch.sort(child, dim=1, descending=True, stable=True).indices
-            cidx = ranked[:, :nb2]                                       # [B, nb2]
-            beam_score = child.gather(1, cidx)                           # [B, nb2]
-            beam_eff = pool_eff[-1].gather(1, cidx)                      # [B, nb2]
-            beam_slot = cidx + (offset + 1)                              # [B, nb2]
-            beam_tok = child_tok.gather(1, cidx)                         # [B, nb2]
-            if use_ngram:
-                # [B, nb2] index into the old beams
-                par_beam = torch.div(cidx, k, rounding_mode="floor")
-                par_idx = par_beam[:, :, None].expand(B, nb2, o1)
-                par_tail = beam_tail.gather(1, par_idx)                  # [B, nb2, o1]
-                beam_tail = _push(par_tail, beam_tok, o1)                # [B, nb2, o1]
+            cidx = _stable_desc(child)[:, :nb2]                               # [B, nb2]
+            beam_score, beam_eff = child[rows, cidx], child_eff[rows, cidx]   # [B, nb2]
+            beam_slot = cidx + (offset + 1)                                   # [B, nb2]
+            if ngram is not None:
+                par_tail = beam_tail[rows, cidx // k]                         # [B, nb2, o1]
+                beam_tail = _push(par_tail, child_tok[rows, cidx], o1)        # [B, nb2, o1]
             nb = nb2
         offset += n_l
 
     # ---------------------------------------------------------------- selection
     P = offset
-    tok_all = torch.cat(pool_tok, 1)      # [B, P]
-    par_all = torch.cat(pool_par, 1)      # [B, P] parent slot (0 = root)
-    score_all = torch.cat(pool_score, 1)  # [B, P]
-    eff_all = torch.cat(pool_eff, 1)      # [B, P]
-    starts = torch.tensor(np.cumsum([0] + pool_sizes[:-1]), dtype=torch.long, device=dev)  # [d]
-
+    tok_all = np.concatenate(pool_tok, 1)                                     # [B, P]
+    par_all = np.concatenate(pool_par, 1)                                     # [B, P] parent slot
+    score_all = np.concatenate(pool_score, 1).astype(np.float32)              # [B, P]
+    eff_all = np.concatenate(pool_eff, 1).astype(np.float32)                  # [B, P]
+    starts = np.cumsum([0] + pool_sizes[:-1])                                 # [d]
     n = min(decoding.tree_budget, P)
-    sel = _top_desc(eff_all, n)                                          # [B, n] pool ids
-    sel_valid = eff_all.gather(1, sel) > _NEG_INF                        # [B, n] (valid ones first)
+    sel = _stable_desc(eff_all)[:, :n]                                        # [B, n] pool ids
+    sel_valid = eff_all[rows, sel] > -np.inf                                  # [B, n]
     n_out = int(sel_valid.sum(1).max())
-    sel = sel[:, :n_out]                                                 # [B, N]
-    sel_valid = sel_valid[:, :n_out]                                     # [B, N]
-
-    # Output order = priority order: effective score descending, ties by pool id ascending (what
-    # _top_desc returns), valid nodes first. A parent always precedes its children, and every prefix
-    # of the node list is the best tree of that size -- the engine's adaptive controller truncates
-    # trees to their first n nodes.
-    sel_lvl = torch.searchsorted(starts, sel, right=True) - 1            # [B, N] level of each node
-    # Map pool slots to output positions with one scatter; unselected slots stay -1.
-    pos = torch.full((B, 1 + P), -1, dtype=torch.long, device=dev)       # [B, 1+P]
+    sel, sel_valid = sel[:, :n_out], sel_valid[:, :n_out]                     # [B, N]
+    # Output order = priority order: effective score descending, ties by pool id ascending, valid
+    # nodes first. A parent always precedes its children, and every prefix of the node list is the
+    # best tree of that size -- the adaptive controller truncates trees to their first n nodes.
+    pos = np.full((B, 1 + P), -1, np.int64)                                   # [B, 1+P]
     pos[:, 0] = 0
-    out_pos = torch.arange(1, n_out + 1, device=dev).expand(B, n_out)    # [B, N]
-    pos.scatter_(1, sel + 1, out_pos)
-    parents = pos.gather(1, par_all.gather(1, sel))                      # [B, N]
+    pos[rows, sel + 1] = np.arange(1, n_out + 1)[None, :]
+    parents = pos[rows, par_all[rows, sel]]                                   # [B, N]
     if not bool(((parents >= 0) | ~sel_valid).all()):
         raise RuntimeError("internal error: selected draft tree is not prefix-closed")
-
-    tokens = tok_all.gather(1, sel)                                      # [B, N]
-    depths = sel_lvl + 1                                                 # [B, N]
-    scores = score_all.gather(1, sel)                                    # [B, N]
-    zero = torch.zeros_like(tokens)
-    one = torch.ones_like(tokens)
-    tokens = torch.where(sel_valid, tokens, zero)
-    parents = torch.where(sel_valid, parents, zero)
-    depths = torch.where(sel_valid, depths, one)
-    scores = scores.masked_fill(~sel_valid, _NEG_INF)
-
-    col = torch.ones((B, 1), dtype=torch.bool, device=dev)               # [B, 1]
-    tree = TokenTree(
-        tokens=torch.cat([roots[:, None], tokens], 1),                   # [B, 1+N]
-        parents=torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), parents], 1),
-        depths=torch.cat([torch.zeros((B, 1), dtype=torch.long, device=dev), depths], 1),
-        valid=torch.cat([col, sel_valid], 1),                            # [B, 1+N]
-    )
-    out_scores = torch.cat([torch.zeros((B, 1), dtype=torch.float32, device=dev), scores], 1)
-    return tree, out_scores
+    depths = np.searchsorted(starts, sel, side="right")                       # [B, N] level + 1
+    tokens = np.where(sel_valid, tok_all[rows, sel], 0)
+    parents = np.where(sel_valid, parents, 0)
+    depths = np.where(sel_valid, depths, 1).astype(np.int64)
+    scores = np.where(sel_valid, score_all[rows, sel], -np.inf).astype(np.float32)
+    return tokens.astype(np.int64), parents, depths, sel_valid, scores
 
 
 _TOPK_BLOCK = 64
 
 
-def _topk_last(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_last(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(x, k, dim=-1)`` (sorted, descending) for ``x: [B, d, V]``, faster for large V.
 
     Two-stage exact search: split the vocabulary into blocks of ``_TOPK_BLOCK``, take the k blocks
@@ -332,37 +349,22 @@ def _topk_last(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals, idx
 
 
-def _top_desc(x: torch.Tensor, m: int) -> torch.Tensor:
-    """Indices of the ``m`` largest entries per row of ``x: [B, P]`` float32 -> ``[B, m]``.
-
-    Ordered by value descending, exact ties broken by LOWER index first (like a stable descending
-    sort, but via one ``topk`` on unique int64 keys: the float's order-preserving int32 image in
-    the high word, ``P-1-index`` in the low word). ``-0.0`` is treated as ``+0.0``; no NaNs allowed.
-    """
-    P = x.shape[1]
-    bits = (x.float() + 0.0).contiguous().view(torch.int32)               # [B, P]
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()      # [B, P] monotone in x
-    low = torch.arange(P - 1, -1, -1, device=x.device)                   # [P] = P-1-index
-    key = (ordered << 32) | low                                           # [B, P] unique per row
-    return torch.topk(key, m, dim=1).indices                              # [B, m]
-
-
-def _push(tail: torch.Tensor, tok: torch.Tensor, o1: int) -> torch.Tensor:
+def _push(tail: np.ndarray, tok: np.ndarray, o1: int) -> np.ndarray:
     """Append ``tok`` ([B, n]) to the context windows ``tail`` ([B, n, o1]), keeping the last o1."""
     if o1 == 0:
         return tail
-    return torch.cat([tail[:, :, 1:], tok[:, :, None]], 2)  # [B, n, o1]
+    return np.concatenate([tail[:, :, 1:], tok[:, :, None]], 2)  # [B, n, o1]
 
 
-def _ngram_prob(ngram: NGramScorer, ctx: torch.Tensor, toks: torch.Tensor,
-                min_count: int) -> torch.Tensor:
-    """One batched ``ngram.prob`` call; ctx [M, o1], toks [M] -> [M] float32 (CPU), validated."""
+def _ngram_prob(ngram: NGramScorer, ctx: np.ndarray, toks: np.ndarray,
+                min_count: int) -> np.ndarray:
+    """One batched ``ngram.prob`` call; ctx [M, o1], toks [M] -> [M] float32, validated."""
     M = toks.shape[0]
-    ctx_np = np.ascontiguousarray(ctx.cpu().numpy(), dtype=np.int64)    # [M, o1]
-    tok_np = np.ascontiguousarray(toks.cpu().numpy(), dtype=np.int64)   # [M]
+    ctx_np = np.ascontiguousarray(ctx, dtype=np.int64)                  # [M, o1]
+    tok_np = np.ascontiguousarray(toks, dtype=np.int64)                 # [M]
     p = np.asarray(ngram.prob(ctx_np, tok_np, min_count), dtype=np.float32)  # [M]
     if p.shape != (M,):
         raise ValueError(f"ngram.prob returned shape {p.shape}, want {(M,)}")
     if not bool(np.all((p >= 0.0) & (p <= 1.0))):
         raise ValueError("ngram.prob returned values outside [0, 1] (or NaN)")
-    return torch.from_numpy(p)
+    return p
