@@ -13,9 +13,9 @@ from dart_ray.config import DecodingConfig
 from dart_ray.tree.search import (
     NGramScorer,
     _stable_desc,
-    topk_last,
     build_trees,
     build_trees_with_scores,
+    topk_last,
 )
 from dart_ray.tree.tree import TokenTree, merge_paths, pack_trees, trie_from_paths
 
