@@ -299,9 +299,28 @@ def teacher_pass(target, cache, batch: torch.Tensor, lens: list[int], taps: tupl
     pos = torch.arange(L, device=batch.device).expand(B, L)
     mask = attention_mask([0] * B, causal_ancestors(L, batch.device), L, target.embed.weight.dtype)
     out = target(batch, pos, mask, cache, rows=slice(0, B), starts=[0] * B, taps=taps)
-    logp = torch.log_softmax(out.logits.float(), dim=-1)          # [B, L, V]
-    top_lp, top_id = logp.topk(topk, dim=-1)                      # [B, L, K]
+    top_id, top_lp = top_logprobs(out.logits, topk)               # [B, L, K] each
     return (out.taps.float() if out.taps is not None else None), top_id, top_lp
+
+
+TOP_LOGPROBS_CHUNK = 32
+"""Positions per chunk of :func:`top_logprobs`: 32 x 49k float32 = 6 MB, cache-sized."""
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits.float()).topk(k)`` of [..., V] logits -> ids [..., k], log-probs
+    [..., k] float32, a chunk of positions at a time: the same numbers without materialising
+    two float32 copies of a whole batch's logits (8 x 320 x 49k: 500 MB each)."""
+    *lead, V = logits.shape
+    flat = logits.reshape(-1, V)                                   # [N, V]
+    ids = torch.empty(flat.shape[0], k, dtype=torch.long, device=logits.device)
+    lps = torch.empty(flat.shape[0], k, dtype=torch.float32, device=logits.device)
+    for s in range(0, flat.shape[0], TOP_LOGPROBS_CHUNK):
+        x = flat[s:s + TOP_LOGPROBS_CHUNK].float()                 # [c, V]
+        v, i = x.topk(k, dim=-1)                                   # [c, k]
+        lps[s:s + TOP_LOGPROBS_CHUNK] = v - torch.logsumexp(x, dim=-1, keepdim=True)
+        ids[s:s + TOP_LOGPROBS_CHUNK] = i
+    return ids.view(*lead, k), lps.view(*lead, k)
 
 
 def select_taps(taps: torch.Tensor | None, order: tuple[int, ...],

@@ -654,3 +654,14 @@ def test_device_is_a_restart_free_setting_and_cards_carry_notes(tmp_path, tiny):
                 notes="## Compute\n\n- GPU: 9 min; CPU: 1.5 h")
     card = (dest / "CARD.md").read_text()
     assert card.index("make drafter-v2") < card.index("## Compute") < card.index("## Data")
+
+
+def test_top_logprobs_equal_log_softmax_topk_in_chunks():
+    from dart_ray.training.objectives import TOP_LOGPROBS_CHUNK, top_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, TOP_LOGPROBS_CHUNK + 5, 300, generator=g) * 4).to(torch.bfloat16)
+    ids, lps = top_logprobs(x, 7)                                   # a ragged last chunk
+    want_lp, want_id = torch.log_softmax(x.float(), -1).topk(7, -1)
+    assert ids.shape == (3, TOP_LOGPROBS_CHUNK + 5, 7) and torch.equal(ids, want_id)
+    torch.testing.assert_close(lps, want_lp, atol=1e-5, rtol=0)
