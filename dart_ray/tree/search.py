@@ -261,7 +261,17 @@ def _beam_search(top_v: np.ndarray, top_i: np.ndarray, decoding: DecodingConfig,
             beam_tail = _push(np.broadcast_to(tail[:, None, :], (B, nb, o1)),
                               top_i[:, 0][rows, bidx], o1)                    # [B, nb, o1]
     offset = k
+    budget = decoding.tree_budget
     for lvl in range(1, d):
+        # Early exit, exact: every deeper node descends from a beam, so its effective (path-min)
+        # score is <= its beam's; once no beam beats the budget-th best node pooled so far, no
+        # deeper node can be selected (a tie loses too: ties go to the lower pool id). Small trees
+        # (the adaptive controller's usual pick) skip the deep levels and their N-gram lookups.
+        if offset >= budget:
+            pooled = np.concatenate(pool_eff, 1)                              # [B, offset]
+            nth = np.partition(pooled, offset - budget, axis=1)[:, offset - budget]  # [B]
+            if bool((np.isfinite(nth) & (beam_eff.max(1) <= nth)).all()):
+                break
         cand_tok = top_i[:, lvl]                                              # [B, k]
         inc = d_inc[:, lvl][:, None, :]                                       # [B, 1, k]
         if ngram is not None:

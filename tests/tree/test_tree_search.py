@@ -553,3 +553,30 @@ def test_merge_paths_puts_paths_first_and_shares_prefixes():
     sampled = TokenTree(tree.tokens, tree.parents, tree.depths, tree.valid, torch.zeros(2, 4, 10))
     with pytest.raises(ValueError, match="draft_probs"):
         merge_paths(sampled, [[], []])
+
+
+def test_deep_levels_that_cannot_enter_the_tree_are_not_searched():
+    # confident early levels, flat late ones: a small budget is filled by shallow nodes, so the
+    # search stops before the deep levels (no N-gram lookups there) -- and the tree is still the
+    # reference's, node for node
+    cfg = DecodingConfig(draft_depth=6, top_k=5, beam_width=3, tree_budget=4)
+    logits = rand_logits(2, 6, 50, 21, scale=0.1)
+    logits[:, 0, 7] = 12.0
+    logits[:, 1, 9] = 12.0
+    roots = torch.tensor([4, 9])
+    context = torch.tensor([[1, 2], [-1, 3]])
+    ng = HashNGram(3)
+    tree, scores = build_trees_with_scores(roots, logits, cfg, context=context, ngram=ng)
+    check_tree(tree, scores, cfg)
+    assert ng.calls < 5                                   # 5 = one lookup per level >= 1
+    for b in range(2):
+        want = reference(int(roots[b]), logits[b], cfg, context[b].tolist(), ng)
+        got = paths_of(tree, scores, b)
+        assert set(got) == set(want)
+        for path, s in want.items():
+            assert got[path] == pytest.approx(s, abs=1e-4)
+    # a budget the shallow levels cannot fill searches every level
+    ng2 = HashNGram(3)
+    big = cfg.replace(tree_budget=200)
+    build_trees_with_scores(roots, logits, big, context=context, ngram=ng2)
+    assert ng2.calls == 5
