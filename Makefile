@@ -14,7 +14,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 gpu-check clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,28 @@ drafter-v2: setup
 	  --time-budget 2400
 	$(BIN)/dart-ray ship --run $(RUNS)/drafter-v2 --data $(GPU_RUN)/data,$(RUNS)/cpu-data \
 	  --command "make drafter-v2-gpu (on a CUDA machine), then make drafter-v2" --notes docs/drafter-v2-compute.md
+
+# issue 17, third sitting (one AMX Xeon, 2 cores, no GPU; see the card): fresh self-instruct prompts written by the
+# target, answered here with 1,000 stdlib code prompts and 1M tokens of teacher-only stdlib text, then DART trained
+# on from the v2 drafter (the weights shipped at V2_COMMIT; fresh warmup + cosine), then shipped with an N-gram
+# model rebuilt from this data. Every step resumes where it stopped when rerun.
+V3 ?= $(RUNS)/v3
+V2_COMMIT ?= 2673270
+V3_STEPS ?= 1300
+V2_DRAFTER := dart_ray/artifacts/SmolLM2-135M-Instruct/drafter
+drafter-v3: setup
+	$(FAST_ENV) $(BIN)/dart-ray gen-prompts --out $(V3)/prompts --n 8000 --batch-size 64 --shard-size 256 --threads 2 \
+	  --max-shards 34
+	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(V3)/data --prompts $(V3)/prompts --n-chat 6085 --n-code 1000 \
+	  --max-new-tokens 256 --batch-size 64 --shard-size 256 --threads 2 --method none --text-tokens 1000000 --seed 3
+	mkdir -p $(V3)/v2-drafter && for f in dart_config.json model.safetensors; do \
+	  git show $(V2_COMMIT):$(V2_DRAFTER)/$$f > $(V3)/v2-drafter/$$f || exit 1; done
+	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(V3)/data --out $(V3)/drafter --arch dart:8 \
+	  --resume $(V3)/v2-drafter --lr-schedule fresh --max-steps $(V3_STEPS) --epochs 100 --lr 5e-4 --warmup 30 \
+	  --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 250 --eval-seqs 96
+	$(BIN)/dart-ray ship --run $(V3)/drafter --data $(V3)/data \
+	  --command "make drafter-v3 (after make drafter-v2-gpu and make drafter-v2, whose drafter it continues)" \
+	  --notes docs/drafter-v3-compute.md
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup
