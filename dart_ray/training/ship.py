@@ -111,13 +111,7 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
                                if arch == "sps"
                                else "")]
     for bj in bench_json or []:
-        rep = json.loads(Path(bj).read_text())
-        from dart_ray.bench.runner import format_table
-
-        c = rep["config"]
-        lines += [f"## Measured: `{Path(bj).name}` ({c['n_prompts']} prompts, bs "
-                  f"{c['batch_size']}, {c['dtype']}, {c['max_new_tokens']} new tokens)", "",
-                  format_table(rep), ""]
+        lines += measured_section(bj)
     card_dir = dest if arch == "dart" else target_dir
     if (run / "training.png").is_file():
         shutil.copy(run / "training.png", card_dir / "training.png")
@@ -173,6 +167,17 @@ def _dtype_lines(summary: dict) -> list[str]:
     students = "fp32 weights, bf16 autocast" if d["dtype"] == "bf16" else "fp32"
     why = f"; `--dtype auto`: {d['reason']}" if d.get("requested") == "auto" else ""
     return [f"- teacher dtype: {d['dtype']} (students: {students}){why}"]
+
+
+def measured_section(bench_json: str | Path) -> list[str]:
+    """A card's ``## Measured`` section (lines) for one ``dart-ray bench --out`` JSON."""
+    from dart_ray.bench.runner import format_table
+
+    rep = json.loads(Path(bench_json).read_text())
+    c = rep["config"]
+    return [f"## Measured: `{Path(bench_json).name}` ({c['n_prompts']} prompts, bs "
+            f"{c['batch_size']}, {c['dtype']}, {c['max_new_tokens']} new tokens)", "",
+            format_table(rep), ""]
 
 
 def _level_table(ev: dict) -> list[str]:
