@@ -665,3 +665,20 @@ def test_top_logprobs_equal_log_softmax_topk_in_chunks():
     want_lp, want_id = torch.log_softmax(x.float(), -1).topk(7, -1)
     assert ids.shape == (3, TOP_LOGPROBS_CHUNK + 5, 7) and torch.equal(ids, want_id)
     torch.testing.assert_close(lps, want_lp, atol=1e-5, rtol=0)
+
+
+def test_a_cards_measured_section_is_the_bench_table(tmp_path):
+    """``ship --bench`` renders each bench JSON with the bench's own table (no second renderer)."""
+    from dart_ray.bench.runner import format_table
+    from dart_ray.training.ship import measured_section
+
+    rep = {"config": {"n_prompts": 3, "batch_size": 1, "dtype": "fp32", "max_new_tokens": 16,
+                      "machine": "test cpu"},
+           "methods": {"ar": {"tokens_per_s": 10.0, "speedup_vs_ar": 1.0, "mean_accepted_len": 1.0,
+                              "steps": 48, "ar_steps": 48, "draft_ms": 0.1, "tree_ms": 0.0,
+                              "verify_ms": 90.0, "outputs_match_ar": True}}}
+    p = tmp_path / "x-bs1.json"
+    p.write_text(json.dumps(rep))
+    lines = measured_section(p)
+    assert lines[0] == "## Measured: `x-bs1.json` (3 prompts, bs 1, fp32, 16 new tokens)"
+    assert lines[2] == format_table(rep)
