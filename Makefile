@@ -14,7 +14,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 gpu-check clean
 
 setup: $(STAMP)
 
@@ -98,6 +98,32 @@ drafter-v3: setup
 	$(BIN)/dart-ray ship --run $(V3)/drafter --data $(V3)/data \
 	  --command "make drafter-v3 (after make drafter-v2-gpu and make drafter-v2, whose drafter it continues)" \
 	  --notes docs/drafter-v3-compute.md
+
+# issue 17, fourth sitting (one AMD EPYC Zen 4, 2 cores, avx512_bf16, no AMX, no GPU; see the card): a new set of
+# self-instruct prompts (another seed), answered here with stdlib code prompts and teacher-only stdlib text, then
+# DART trained on from the v3 drafter (the weights shipped at V3_COMMIT; fresh warmup + cosine) under a time
+# budget, then shipped with v3's N-gram model (built from v3's 2.9M tokens, more than this sitting makes).
+# Every step resumes where it stopped.
+V4 ?= $(RUNS)/v4
+V3_COMMIT ?= 08fe737
+V4_STEPS ?= 1400
+V4_BUDGET_S ?= 3300
+V3_NGRAM := dart_ray/artifacts/SmolLM2-135M-Instruct/ngram
+drafter-v4: setup
+	$(FAST_ENV) $(BIN)/dart-ray gen-prompts --out $(V4)/prompts --n 2400 --batch-size 64 --shard-size 256 --threads 2 \
+	  --max-shards 14 --seed 4
+	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(V4)/data --prompts $(V4)/prompts --n-chat 2400 --n-code 400 \
+	  --max-new-tokens 256 --batch-size 64 --shard-size 256 --threads 2 --method none --text-tokens 500000 --seed 4
+	mkdir -p $(V4)/v3-drafter $(V4)/v3-ngram && for f in dart_config.json model.safetensors; do \
+	  git show $(V3_COMMIT):$(V2_DRAFTER)/$$f > $(V4)/v3-drafter/$$f || exit 1; done && \
+	  for f in $$(git ls-tree --name-only $(V3_COMMIT) $(V3_NGRAM)/); do \
+	  git show $(V3_COMMIT):$$f > $(V4)/v3-ngram/$$(basename $$f) || exit 1; done
+	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(V4)/data --out $(V4)/drafter --arch dart:8 \
+	  --resume $(V4)/v3-drafter --lr-schedule fresh --max-steps $(V4_STEPS) --epochs 100 --lr 3e-4 --warmup 20 \
+	  --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 250 --eval-seqs 96 --time-budget $(V4_BUDGET_S)
+	$(BIN)/dart-ray ship --run $(V4)/drafter --ngram $(V4)/v3-ngram \
+	  --command "make drafter-v4 (after make drafter-v3 and the sittings before it, whose drafter it continues)" \
+	  --notes docs/drafter-v4-compute.md
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup

@@ -77,9 +77,11 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
     shutil.copytree(src, target_dir)
     sizes[spec.artifact_dir] = _dir_mb(target_dir)
     if ngram_dir and arch == "dart":
-        if (dest / "ngram").exists():
-            shutil.rmtree(dest / "ngram")
-        shutil.copytree(ngram_dir, dest / "ngram")
+        # the shipped N-gram model itself may be named (keep it): never delete the source
+        if Path(ngram_dir).resolve() != (dest / "ngram").resolve():
+            if (dest / "ngram").exists():
+                shutil.rmtree(dest / "ngram")
+            shutil.copytree(ngram_dir, dest / "ngram")
         sizes["ngram"] = _dir_mb(dest / "ngram")
     too_big = {k: v for k, v in sizes.items() if v > MAX_MB}
     if too_big:

@@ -21,8 +21,9 @@ checkpoint  every ckpt_every steps, at the plan's end, at the time budget and on
 ```
 
 When the plan completes, the time budget runs out or a signal asks to stop, every student writes its
-drafter (bf16), ``train_summary.json`` and ``training.png``; after an early stop, rerunning the same
-command continues as if it had not stopped.
+drafter (bf16) at once, then, after a final evaluation where the last step had none,
+``train_summary.json`` and ``training.png``; after an early stop, rerunning the same command
+continues as if it had not stopped.
 What each architecture builds, taps, predicts and is scored on is an
 :class:`~dart_ray.training.objectives.Objective`, looked up by the method registry's ``objective``
 name; the loop has no per-architecture branches. Where a run starts (its own checkpoint, ``resume``,
@@ -566,6 +567,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         bar.close()
     summaries = {}
     data_info = describe_data(cfg.data)
+    # the drafters first: a stop that cannot wait for the final evaluation (an orchestrator's short
+    # grace period after SIGTERM, a second signal) still leaves each one exported
+    for st in students:
+        save_dir_atomic(lambda d, m=st.model: _save_bf16(m, d), st.out / "drafter")
     unevaluated = [st for st in students
                    if not st.history["eval"] or st.history["eval"][-1][0] != step]
     if unevaluated:
@@ -574,7 +579,6 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             st.save_checkpoint(data_pos)
     for st in students:
         final_ev = st.history["eval"][-1][1]
-        save_dir_atomic(lambda d, m=st.model: _save_bf16(m, d), st.out / "drafter")
         summary = {"arch": st.cfg.arch, "steps": step, "plan_end": end, "stopped": stop_reason,
                    "train_seqs": len(train_seqs), "val_seqs": sum(len(v) for v in val.values()),
                    "val_seqs_by_domain": {k: len(v) for k, v in val.items()}, "held_out": held_out,

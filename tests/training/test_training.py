@@ -311,6 +311,27 @@ def test_ship_baseline_writes_card_and_checks_size(tmp_path, tiny):
     assert not (dest / "CARD.md").exists()  # the DART card is not touched by a baseline
 
 
+def test_ship_keeps_the_shipped_ngram_when_it_is_named(tmp_path, tiny):
+    """``ship --ngram`` naming the N-gram model already in the destination keeps it (an earlier
+    ship deleted the destination first, and with it its own source)."""
+    from dart_ray.drafters.dart_model import DartConfig, DartModel
+    from dart_ray.training.ship import ship
+
+    run = tmp_path / "run"
+    cfg = DartConfig.for_target(tiny.args, tiny.model_id, depth=2, draft_vocab=64, tie_head=False)
+    DartModel(cfg).init_random(0).save(run / "drafter")
+    ev = {"top1": [0.5, 0.25], "top5": [0.75, 0.5], "chain_tau": 1.6, "n_prefixes": 10}
+    (run / "train_summary.json").write_text(json.dumps({
+        "arch": "dart", "steps": 3, "train_seqs": 8, "val_seqs": 2, "train_wall_s": 60.0,
+        "final_eval": ev, "config": {"arch": "dart", "depth": 2, "draft_vocab": 64}}))
+    ngram = tmp_path / "artifacts" / "tiny-model" / "ngram"
+    ngram.mkdir(parents=True)
+    (ngram / "meta.json").write_text('{"n": 3}')
+    dest = ship(run, ngram, "tiny-model", "make artifacts", dest_root=tmp_path / "artifacts")
+    assert (dest / "ngram" / "meta.json").read_text() == '{"n": 3}'
+    assert DartModel.load(dest / "drafter").cfg.depth == 2 and (dest / "CARD.md").is_file()
+
+
 def test_batch_stream_resume_replays_across_epochs():
     """A run resumed at step s (here past an epoch boundary) sees the uninterrupted run's
     batches."""
@@ -393,6 +414,26 @@ def test_time_budget_stop_and_continue_equal_uninterrupted(tmp_path, tiny_dirs, 
                                  (tmp_path / run / "metrics.jsonl").read_text().splitlines())
             if r["kind"] == "train"] for run in ("a", "b", "c")]
     assert lrs[0] == lrs[1] == lrs[2] and len(lrs[0]) == 4
+
+
+def test_a_stop_exports_the_drafter_before_the_final_evaluation(tmp_path, tiny_dirs,
+                                                                tiny_mixed_data, monkeypatch):
+    """A stop (here the time budget) writes the checkpoint and the drafter before the final held-out
+    evaluation, so a process killed during that evaluation (a second signal, an orchestrator's
+    short grace period) loses nothing; rerunning then finishes the summary."""
+    from dart_ray.training import trainer
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "_evaluate", killed)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(out), time_budget_s=1e-9),
+                      progress=False)
+    assert (out / "drafter" / "model.safetensors").is_file()
+    assert _state(out)["step"] == 1
+    assert not (out / "train_summary.json").exists()
 
 
 def test_resume_from_a_drafter_dir_keeps_its_vocabulary(tmp_path, tiny, tiny_dirs, tiny_mixed_data):
