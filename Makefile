@@ -100,20 +100,22 @@ drafter-v3: setup
 	  --notes docs/drafter-v3-compute.md
 
 # issue 17, fourth sitting (one AMD EPYC Zen 4, 2 cores, avx512_bf16, no AMX, no GPU; see the card): a new set of
-# self-instruct prompts (another seed), answered here with stdlib code prompts and teacher-only stdlib text, then
+# self-instruct prompts (another seed), the first V4_DATA_SHARDS x 256 answered here (1.7 s per prompt on this CPU) with stdlib code prompts and teacher-only stdlib text, then
 # DART trained on from the v3 drafter (the weights shipped at V3_COMMIT; fresh warmup + cosine) under a time
 # budget, then shipped with v3's N-gram model (built from v3's 2.9M tokens, more than this sitting makes).
 # Every step resumes where it stopped.
 V4 ?= $(RUNS)/v4
 V3_COMMIT ?= 08fe737
-V4_STEPS ?= 1400
-V4_BUDGET_S ?= 3300
+V4_STEPS ?= 440
+V4_BUDGET_S ?= 2700
+V4_DATA_SHARDS ?= 5
 V3_NGRAM := dart_ray/artifacts/SmolLM2-135M-Instruct/ngram
 drafter-v4: setup
 	$(FAST_ENV) $(BIN)/dart-ray gen-prompts --out $(V4)/prompts --n 2400 --batch-size 64 --shard-size 256 --threads 2 \
 	  --max-shards 14 --seed 4
 	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(V4)/data --prompts $(V4)/prompts --n-chat 2400 --n-code 400 \
-	  --max-new-tokens 256 --batch-size 64 --shard-size 256 --threads 2 --method none --text-tokens 500000 --seed 4
+	  --max-new-tokens 256 --batch-size 64 --shard-size 256 --threads 2 --method none --text-tokens 500000 --seed 4 \
+	  --max-shards $(V4_DATA_SHARDS)
 	mkdir -p $(V4)/v3-drafter $(V4)/v3-ngram && for f in dart_config.json model.safetensors; do \
 	  git show $(V3_COMMIT):$(V2_DRAFTER)/$$f > $(V4)/v3-drafter/$$f || exit 1; done && \
 	  for f in $$(git ls-tree --name-only $(V3_COMMIT) $(V3_NGRAM)/); do \
