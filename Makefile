@@ -84,14 +84,16 @@ drafter-v2: setup
 V3 ?= $(RUNS)/v3
 V2_COMMIT ?= 2673270
 V3_STEPS ?= 1300
-V2_DRAFTER := dart_ray/artifacts/SmolLM2-135M-Instruct/drafter
+SHIPPED := dart_ray/artifacts/SmolLM2-135M-Instruct
+# $(call git_dir,COMMIT,DIR,DEST): DEST holds DIR's files as committed at COMMIT (a shipped drafter that a
+# later sitting continues, after the package's copy has been replaced)
+git_dir = mkdir -p $(3) && git archive $(1) $(2) | tar -x -C $(3) --strip-components=$(words $(subst /, ,$(2)))
 drafter-v3: setup
 	$(FAST_ENV) $(BIN)/dart-ray gen-prompts --out $(V3)/prompts --n 8000 --batch-size 64 --shard-size 256 --threads 2 \
 	  --max-shards 34
 	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(V3)/data --prompts $(V3)/prompts --n-chat 6085 --n-code 1000 \
 	  --max-new-tokens 256 --batch-size 64 --shard-size 256 --threads 2 --method none --text-tokens 1000000 --seed 3
-	mkdir -p $(V3)/v2-drafter && for f in dart_config.json model.safetensors; do \
-	  git show $(V2_COMMIT):$(V2_DRAFTER)/$$f > $(V3)/v2-drafter/$$f || exit 1; done
+	$(call git_dir,$(V2_COMMIT),$(SHIPPED)/drafter,$(V3)/v2-drafter)
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(V3)/data --out $(V3)/drafter --arch dart:8 \
 	  --resume $(V3)/v2-drafter --lr-schedule fresh --max-steps $(V3_STEPS) --epochs 100 --lr 5e-4 --warmup 30 \
 	  --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 250 --eval-seqs 96
@@ -100,26 +102,23 @@ drafter-v3: setup
 	  --notes docs/drafter-v3-compute.md
 
 # issue 17, fourth sitting (one AMD EPYC Zen 4, 2 cores, avx512_bf16, no AMX, no GPU; see the card): a new set of
-# self-instruct prompts (another seed), the first V4_DATA_SHARDS x 256 answered here (1.7 s per prompt on this CPU) with stdlib code prompts and teacher-only stdlib text, then
-# DART trained on from the v3 drafter (the weights shipped at V3_COMMIT; fresh warmup + cosine) under a time
-# budget, then shipped with v3's N-gram model (built from v3's 2.9M tokens, more than this sitting makes).
+# self-instruct prompts (another seed), the first V4_DATA_SHARDS x 256 answered here (1.8 s per prompt on this
+# CPU) with stdlib code prompts and teacher-only stdlib text, then DART trained on from the v3 drafter (the weights
+# shipped at V3_COMMIT; fresh warmup + cosine) under a time budget, then shipped with v3's N-gram model (built from v3's 2.9M tokens, more than this sitting makes).
 # Every step resumes where it stopped.
 V4 ?= $(RUNS)/v4
 V3_COMMIT ?= 08fe737
 V4_STEPS ?= 440
 V4_BUDGET_S ?= 2700
 V4_DATA_SHARDS ?= 5
-V3_NGRAM := dart_ray/artifacts/SmolLM2-135M-Instruct/ngram
 drafter-v4: setup
 	$(FAST_ENV) $(BIN)/dart-ray gen-prompts --out $(V4)/prompts --n 2400 --batch-size 64 --shard-size 256 --threads 2 \
 	  --max-shards 14 --seed 4
 	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(V4)/data --prompts $(V4)/prompts --n-chat 2400 --n-code 400 \
 	  --max-new-tokens 256 --batch-size 64 --shard-size 256 --threads 2 --method none --text-tokens 500000 --seed 4 \
 	  --max-shards $(V4_DATA_SHARDS)
-	mkdir -p $(V4)/v3-drafter $(V4)/v3-ngram && for f in dart_config.json model.safetensors; do \
-	  git show $(V3_COMMIT):$(V2_DRAFTER)/$$f > $(V4)/v3-drafter/$$f || exit 1; done && \
-	  for f in $$(git ls-tree --name-only $(V3_COMMIT) $(V3_NGRAM)/); do \
-	  git show $(V3_COMMIT):$$f > $(V4)/v3-ngram/$$(basename $$f) || exit 1; done
+	$(call git_dir,$(V3_COMMIT),$(SHIPPED)/drafter,$(V4)/v3-drafter)
+	$(call git_dir,$(V3_COMMIT),$(SHIPPED)/ngram,$(V4)/v3-ngram)
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(V4)/data --out $(V4)/drafter --arch dart:8 \
 	  --resume $(V4)/v3-drafter --lr-schedule fresh --max-steps $(V4_STEPS) --epochs 100 --lr 3e-4 --warmup 20 \
 	  --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 250 --eval-seqs 96 --time-budget $(V4_BUDGET_S)

@@ -72,16 +72,10 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
     if not (src / spec.config_file).is_file():
         raise FileNotFoundError(f"no trained {arch} drafter in {src}")
     target_dir = dest / spec.artifact_dir
-    if target_dir.exists():
-        shutil.rmtree(target_dir)
-    shutil.copytree(src, target_dir)
+    _replace_dir(src, target_dir)
     sizes[spec.artifact_dir] = _dir_mb(target_dir)
     if ngram_dir and arch == "dart":
-        # the shipped N-gram model itself may be named (keep it): never delete the source
-        if Path(ngram_dir).resolve() != (dest / "ngram").resolve():
-            if (dest / "ngram").exists():
-                shutil.rmtree(dest / "ngram")
-            shutil.copytree(ngram_dir, dest / "ngram")
+        _replace_dir(Path(ngram_dir), dest / "ngram")
         sizes["ngram"] = _dir_mb(dest / "ngram")
     too_big = {k: v for k, v in sizes.items() if v > MAX_MB}
     if too_big:
@@ -119,6 +113,14 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
         shutil.copy(run / "training.png", card_dir / "training.png")
     (card_dir / "CARD.md").write_text("\n".join(lines))
     return dest
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """``dst`` becomes a copy of ``src``, swapped in whole (copied before anything is removed, so
+    ``src`` may be ``dst`` itself: shipping the N-gram model already shipped keeps it)."""
+    from dart_ray.training.checkpoint import save_dir_atomic
+
+    save_dir_atomic(lambda tmp: shutil.copytree(src, tmp), dst)
 
 
 def _by(counts: dict) -> str:
