@@ -38,6 +38,9 @@ class BatchView:
     params: list | None = None
     # per-row torch.Generator (None entries: torch's default) for such draws
     generators: list | None = None
+    # draft nodes the engine keeps this step: it cuts the tree to its first ``max_nodes`` (priority
+    # order), so a drafter may skip work that cannot reach them (None: the whole tree is kept)
+    max_nodes: int | None = None
 
     @property
     def batch_size(self) -> int:

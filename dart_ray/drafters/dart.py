@@ -19,7 +19,7 @@ from dart_ray.drafters.dart_model import DartModel
 from dart_ray.drafters.ngram import lookup_continuations
 from dart_ray.kv_cache import KVCache
 from dart_ray.masks import attention_mask
-from dart_ray.tree import TokenTree, merge_paths
+from dart_ray.tree import TokenTree, merge_paths, pack_trees, trie_from_paths
 
 
 class DartDrafter(Drafter):
@@ -39,6 +39,8 @@ class DartDrafter(Drafter):
             self.head_weight = None
         self.ngram = ngram
         self.cache: KVCache | None = None
+        self.lookup_only_steps = 0
+        """Proposals whose kept nodes were all lookup paths (no drafter forward, no search)."""
         self.pending: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = []
         """Per row: chunks of (taps [n, nT*H], next tokens [n]) committed since the last drafter
         forward. Kept raw -- a plain step costs a list append -- and turned into layer inputs in one
@@ -168,14 +170,27 @@ class DartDrafter(Drafter):
         decoding = view.decoding
         depth = min(decoding.draft_depth, self.max_draft_depth)
         B = view.batch_size
+        t0 = time.perf_counter()
+        lookups = self._lookup_paths(view, decoding.lookup_len) if decoding.lookup_paths else None
+        if lookups is not None and view.max_nodes is not None:
+            # lookup paths lead the merged tree; where they alone fill the nodes the engine keeps
+            # in every row, the drafter's nodes would all be cut: skip its forward and the search
+            # (same tree after the cut; the drafter takes this step's context next time it runs)
+            tries = [trie_from_paths(paths) for paths in lookups]
+            if all(len(toks) >= view.max_nodes for toks, _ in tries):
+                self.lookup_only_steps += 1
+                tree = pack_trees(view.roots, tries)
+                self.tree_time_s += time.perf_counter() - t0
+                return tree
+        lookup_s = time.perf_counter() - t0
         vals, ids = self.draft_candidates(B, depth, decoding.top_k)
         t0 = time.perf_counter()
         ctx = view.tail_context(max(getattr(self.ngram, "order", 3) - 2, 1))
         tree, _ = build_trees_from_candidates(view.roots, vals, ids, decoding, context=ctx,
                                               ngram=self.ngram)
-        if decoding.lookup_paths:
-            tree = merge_paths(tree, self._lookup_paths(view, decoding.lookup_len))
-        self.tree_time_s += time.perf_counter() - t0
+        if lookups is not None:
+            tree = merge_paths(tree, lookups)
+        self.tree_time_s += time.perf_counter() - t0 + lookup_s
         return tree
 
     def max_tree_nodes(self, decoding) -> int:

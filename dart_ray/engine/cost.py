@@ -9,10 +9,12 @@ row ``T`` (``T`` = tree nodes + root), interpolated piecewise-linearly in betwee
 pessimistically beyond (proportional to tokens: past the grid a forward is compute-bound), and
 monotone (measurement noise never makes a bigger forward look cheaper). It is
 
-* **measured once** at engine start-up (:func:`measure_verify_costs`): one forward per grid cell,
-  best of two, cells above :data:`MAX_MEASURED_TOKENS` tokens left to extrapolation, bounded to a
-  few seconds for SmolLM2 on 2 cores;
-* **cached** under ``$DART_RAY_CACHE/hardware/cost-<fingerprint>.json`` (:func:`load_or_measure`),
+* **measured once** at engine start-up (:func:`measure_verify_costs`): two untimed warm-up
+  forwards, then one forward per grid cell, best of two, cells above
+  :data:`MAX_MEASURED_TOKENS` tokens left to extrapolation, bounded to a few seconds for SmolLM2
+  on 2 cores;
+* **cached** under ``$DART_RAY_CACHE/hardware/cost-v2-<fingerprint>.json``
+  (:func:`load_or_measure`),
   keyed by :class:`~dart_ray.hardware.Fingerprint` (device, CPU model + ISA, threads, torch, dtype,
   model), so a restart on the same machine costs nothing;
 * **refined online** (:meth:`CostModel.observe`): every decode step's measured verify time pulls
@@ -37,6 +39,10 @@ log = logging.getLogger(__name__)
 
 MAX_MEASURED_TOKENS = 160
 """Grid cells with ``B * T`` above this are extrapolated, not measured (bounds start-up time)."""
+
+COST_CACHE_VERSION = "v2"
+"""Bumped when a measurement fix makes older cached cost models wrong (v2: warm-up before the
+first cell, whose cold timing had inflated plain steps by up to 35 %)."""
 
 TOKEN_GRID = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
 """New tokens per row measured (tree sizes 0, 1, 2, 4, 8, 16, ... plus the root)."""
@@ -120,16 +126,25 @@ class CostModel:
 
     # ---- online refinement -----------------------------------------------------------------------
     def observe(self, B: int, T: int, seconds: float) -> None:
-        """Pull the grid cell nearest to ``(B, T)`` toward a measured step (ratio EMA)."""
+        """Pull the grid cell nearest to ``(B, T)`` toward a measured step (ratio EMA).
+
+        The cell moves from its *prediction* (the monotone curve's value there), not its raw value:
+        a raw cell below a smaller cell's value is hidden by the running maximum, and pulling it
+        by the ratio to the prediction would shrink it without end (a cold first measurement of a
+        plain step once drove a 24 ms cell to 0.1 ms this way). Cells of smaller forwards in the
+        same row that now lie above it come down to it: a smaller forward never costs more, in
+        either direction of the evidence."""
         if seconds <= 0:
             return
         pred = self.verify_s(B, T)
         b = min(self.batches, key=lambda x: abs(x - B))
         t = min(self.tokens, key=lambda x: abs(x - T))
-        cell = self.table.get((b, t))
-        base = cell if cell is not None else self.verify_s(b, t)
         ratio = min(max(seconds / pred, 0.25), 4.0)      # one outlier (GC, preemption) moves little
-        self.table[(b, t)] = base * (1.0 - self.alpha + self.alpha * ratio)
+        new = self.verify_s(b, t) * (1.0 - self.alpha + self.alpha * ratio)
+        self.table[(b, t)] = new
+        for tt in self.tokens:
+            if tt < t and self.table.get((b, tt), 0.0) > new:
+                self.table[(b, tt)] = new
 
     # ---- persistence -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -163,6 +178,8 @@ def measure_verify_costs(forward, batches: list[int], tokens: list[int],
     (one plain decode step per batch size is always measured). Stops early past ``budget_s``.
     """
     table: dict[tuple[int, int], float] = {}
+    for _ in range(2):          # warm caches and kernels: the first cell must not pay for them
+        forward(batches[0], tokens[0])
     t_start = time.perf_counter()
     for b in batches:
         for t in tokens:
@@ -186,7 +203,7 @@ def load_or_measure(key: str, fingerprint: dict, forward, batches: list[int],
     """The cached cost model for this fingerprint, or a fresh measurement (then cached)."""
     from dart_ray.hardware import read_cached, write_cached
 
-    name = f"cost-{key}.json"
+    name = f"cost-{COST_CACHE_VERSION}-{key}.json"
     data = read_cached(name)
     if data is not None:
         try:

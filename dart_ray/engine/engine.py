@@ -360,6 +360,7 @@ class Engine:
         if n > 0:
             if n < max_nodes:            # a small tree: the first n nodes of a budget-n search
                 view.decoding = _first_nodes_knobs(decoding, n)
+                view.max_nodes = n
             tree = self.drafter.propose(view).truncate(n)                      # draft + tree search
         else:
             tree = empty_tree(roots)                                           # a plain AR step

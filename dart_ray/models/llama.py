@@ -59,8 +59,19 @@ class Attention(nn.Module):
             keys, values = k, v
         else:
             keys, values = cache.write(self.layer_id, k, v, s_used)   # [B, H_kv, S, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.n_heads != self.n_kv)  # [B, H, T, D]
+        rep = self.n_heads // self.n_kv
+        if T == 1 and rep > 1:
+            # one query per row (a plain decode step): fold each KV group's query heads into the
+            # query-length axis, [B, H, 1, D] -> [B, H_kv, rep, D], so attention is one small
+            # matmul per KV head; the mask [B, 1, 1, S] broadcasts over the rep rows. Same math as
+            # enable_gqa (query head h reads KV head h // rep), without the CPU kernel's slow
+            # single-query GQA path (29 -> 22 ms per SmolLM2 bf16 step at 600 cached tokens).
+            out = F.scaled_dot_product_attention(
+                q.reshape(B, self.n_kv, rep, self.head_dim), keys, values, attn_mask=mask,
+            ).view(B, self.n_heads, 1, self.head_dim)                         # [B, H, 1, D]
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 enable_gqa=rep > 1)          # [B, H, T, D]
         return self.o(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -183,6 +183,34 @@ def test_dart_draft_depth_is_capped_by_the_trained_depth_and_lookups_lead(tiny):
     assert tree.parents[0, 1:4].tolist() == [0, 1, 2]
 
 
+def test_dart_skips_the_drafter_where_lookup_paths_fill_the_kept_nodes(tiny):
+    """Lookup paths lead DART's merged tree; when they alone fill the nodes the engine keeps
+    (``BatchView.max_nodes``) in every row, the drafter's forward and search are skipped and the kept
+    tree is the same; the drafter keeps the context for its next forward."""
+    d = build("dart", tiny, "random")
+    H = tiny.args.hidden_size
+    rows, roots = [[11, 12, 13, 14, 15, 11, 12], [7, 8, 9, 10, 7, 8]], [13, 9]
+    knobs = dict(draft_depth=8, lookup_paths=1, lookup_len=4, lookup_min_match=2)
+    prefill(d, rows, roots, H)
+    full = d.propose(view(rows, roots, **knobs))                    # the whole tree: drafter runs
+    assert d.lookup_only_steps == 0 and d.pending[:2] == [None, None]
+    for keep, skipped in ((3, True), (4, True), (5, False)):        # each lookup trie has 4 nodes
+        prefill(d, rows, roots, H)
+        v = view(rows, roots, **knobs)
+        v.max_nodes = keep
+        before = d.lookup_only_steps
+        cut = d.propose(v)
+        assert (d.lookup_only_steps == before + 1) == skipped
+        assert (d.pending[0] is not None) == skipped                # no forward: context waits
+        assert first_nodes(cut.truncate(keep), keep) == first_nodes(full.truncate(keep), keep)
+    # one row without a match: the drafter runs for the whole batch
+    prefill(d, [rows[0], [7, 8, 9]], [13, 10], H)
+    v = view([rows[0], [7, 8, 9]], [13, 10], **knobs)
+    v.max_nodes = 2
+    d.propose(v)
+    assert d.lookup_only_steps == 2 and d.pending[:2] == [None, None]
+
+
 def test_dart_rows_need_pending_context(tiny):
     d = build("dart", tiny, "random")
     with pytest.raises(RuntimeError, match="no pending context"):

@@ -67,6 +67,20 @@ def test_cost_model_interpolates_extrapolates_and_learns():
     assert again.verify_s(1, 5) == pytest.approx(cm.verify_s(1, 5))
 
 
+def test_cost_model_refinement_tracks_a_cell_hidden_by_a_dear_smaller_one():
+    # a cold first measurement made the plain step look dearer than a 9-token forward; steps that
+    # keep verifying 9 tokens at 24 ms must converge there -- not shrink the cell toward zero
+    # (the running maximum hides it) and not leave the plain step priced above it
+    cm = CostModel.from_function(lambda b, t: {1: 0.029, 5: 0.021, 9: 0.024, 17: 0.03}[t], [1],
+                                 [1, 5, 9, 17])
+    for _ in range(300):
+        cm.observe(1, 9, 0.024)
+    assert cm.table[(1, 9)] == pytest.approx(0.024, rel=0.02)
+    assert cm.verify_s(1, 9) == pytest.approx(0.024, rel=0.02)
+    assert cm.verify_s(1, 1) <= 0.0241                       # a smaller forward never costs more
+    assert cm.verify_s(1, 17) == pytest.approx(0.03)          # larger cells untouched
+
+
 def test_cost_model_measured_once_then_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("DART_RAY_CACHE", str(tmp_path))
     calls = []
@@ -74,7 +88,8 @@ def test_cost_model_measured_once_then_cached(tmp_path, monkeypatch):
     cm = load_or_measure("k", {"cpu": "x"}, fwd, [1, 4], [1, 5, 65])
     assert (4, 65) not in cm.table and (1, 65) in cm.table       # B*T above the bound: extrapolated
     n = len(calls)
-    assert n == 2 * len(cm.table)                                # best of two per cell
+    assert n == 2 * len(cm.table) + 2                     # warm-up, then best of two per cell
+    assert calls[:2] == [(1, 1), (1, 1)]
     cm2 = load_or_measure("k", {"cpu": "x"}, fwd, [1, 4], [1, 5, 65])
     assert len(calls) == n and cm2.table == cm.table             # cached: nothing re-measured
     assert measure_verify_costs(fwd, [16], [1, 65], max_tokens=100).keys() == {(16, 1)}
@@ -129,13 +144,28 @@ def test_controller_warmup_exploration_and_reset():
     ctrl = SpeculationController(cost, ControllerConfig(warmup_steps=2, explore_every=4,
                                                         warmup_cost_ratio=2.0))
     assert [ctrl.plan(1, 32) for _ in range(2)] == [8, 8]      # largest tree within 2x a plain step
-    trained(ctrl, 1, [0], 8)
+    trained(ctrl, 1, [0], 8, draft_s=0.005)                    # a one-node step: 25 % dearer
     plans = [ctrl.plan(1, 32) for _ in range(20)]              # steps 3..22
     # one rung up at step 7; the probe did not change the choice, so the next comes 8 steps later
     assert [i + 3 for i, n in enumerate(plans) if n] == [7, 15] and set(plans) == {0, 1}
     ctrl.reset_acceptance()
     assert ctrl.plan(1, 32) == 8 and not ctrl.acc
     assert ctrl.plan(1, 0) == 0                                # nothing to draft: always AR
+
+
+def test_a_plain_choice_verifies_one_node_where_that_is_nearly_free():
+    """Lookup drafting on a machine where one more token is ~free: a step that would be plain
+    verifies one node (<= learn_margin dearer) and so keeps learning; where drafting or the extra
+    token is dear, plain stays plain."""
+    cost = CostModel.from_function(lambda b, t: 0.020 + 0.0001 * (t - 1), GRID_B, GRID_T)
+    cheap = SpeculationController(cost, ControllerConfig(warmup_steps=0))
+    trained(cheap, 1, [0], 8, draft_s=0.0003)                  # a dry spell: nothing accepted
+    assert cheap.best(1, 32) == 0 and cheap.plan(1, 32) == 1
+    trained(cheap, 1, [3, 4], 1, steps=40)                     # matches return: seen at once
+    assert cheap.expected_accepted(1) > 0.8 and cheap.best(1, 32) >= 1
+    dear = SpeculationController(cost, ControllerConfig(warmup_steps=0))
+    trained(dear, 1, [0], 8, draft_s=0.004)                    # a drafter forward: 20 % of a step
+    assert dear.plan(1, 32) == 0
 
 
 def test_counterfactual_acceptance_per_tree_size():
@@ -145,6 +175,24 @@ def test_counterfactual_acceptance_per_tree_size():
     ctrl.record(1, 8, [[1, 3, 7]], draft_s=0, verify_s=0, tokens_per_row=9, overhead_s=0)
     assert ctrl.acc == {1: 1, 2: 1, 3: 2, 4: 2, 6: 2, 8: 3}
     assert ctrl.expected_accepted(12) == 3 and ctrl.expected_accepted(0) == 0
+
+
+def test_sizes_above_the_choice_are_priced_by_paired_increments():
+    """A probe of 12 nodes on a hard prompt must not leave a stale, low acc(12) that outlives the
+    workload: once the fresh sizes show high acceptance, bigger trees are priced as the fresh level
+    plus the increments measured on the steps that verified both sizes."""
+    ctrl = SpeculationController(flat_cost(), ControllerConfig(alpha=0.2))
+    ctrl.record(1, 12, [[1, 2, 3, 4, 5, 6, 7, 8, 9]], draft_s=0, verify_s=0, tokens_per_row=13,
+                overhead_s=0)                     # the probe: 9 of 12, 8 of them within the first 8
+    trained(ctrl, 1, [0], 12, steps=40)         # a hard prompt: nothing accepted at any size
+    # 9 - 8 = 1 at the probe, then 0: a plain mean over the first 1/alpha = 5 (1/5), then the EMA
+    assert ctrl.gain[12] == pytest.approx(0.2 * 0.8 ** 36)
+    trained(ctrl, 1, [8], 8, steps=60)          # an easy one, verified with 8 nodes only
+    assert ctrl.fresh == 8 and ctrl.acc[12] < 0.01          # the stale level ...
+    assert ctrl.expected_accepted(12) == pytest.approx(ctrl.acc[8] + ctrl.gain[12])  # ... unused
+    assert ctrl.expected_accepted(12) >= ctrl.expected_accepted(8) > 7.9
+    assert ctrl.expected_accepted(6) == ctrl.acc[6]         # fresh sizes: their own estimate
+    assert ctrl.expected_accepted(64) <= 64
 
 
 def test_tree_prefix_is_the_smaller_budget_tree():
