@@ -185,8 +185,8 @@ def test_dart_draft_depth_is_capped_by_the_trained_depth_and_lookups_lead(tiny):
 
 def test_dart_skips_the_drafter_where_lookup_paths_fill_the_kept_nodes(tiny):
     """Lookup paths lead DART's merged tree; when they alone fill the nodes the engine keeps
-    (``BatchView.max_nodes``) in every row, the drafter's forward and search are skipped and the kept
-    tree is the same; the drafter keeps the context for its next forward."""
+    (``BatchView.max_nodes``) in every row, the drafter's forward and search are skipped and the
+    kept tree is the same; the drafter keeps the context for its next forward."""
     d = build("dart", tiny, "random")
     H = tiny.args.hidden_size
     rows, roots = [[11, 12, 13, 14, 15, 11, 12], [7, 8, 9, 10, 7, 8]], [13, 9]
