@@ -14,7 +14,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 drafter-v4-data drafter-v5 gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 drafter-v4-data drafter-v5-experiment gpu-check clean
 
 setup: $(STAMP)
 
@@ -127,25 +127,24 @@ drafter-v4: drafter-v4-data
 	  --command "make drafter-v4 (after make drafter-v3 and the sittings before it, whose drafter it continues)" \
 	  --notes docs/drafter-v4-compute.md
 
-# issue 17, fifth sitting (the same AMD EPYC Zen 4): two more shards of v4's self-instruct prompts answered (the
-# run of drafter-v4 with V4_DATA_SHARDS=7), then DART trained on from the v4 drafter (the weights shipped at
+# issue 17, fifth sitting (the same AMD EPYC Zen 4), NOT shipped: two more shards of v4's self-instruct prompts
+# answered (drafter-v4-data with V4_DATA_SHARDS=7), then DART trained on from the v4 drafter (the weights shipped at
 # V4_COMMIT; fresh warmup + cosine) on a chat-weighted view of the data -- v4's answered shards without the stdlib
-# text, whose code-heavy mix moved code but not chat in the fourth sitting -- then shipped with the same N-gram.
+# text. Held-out (v4 -> v5): chat level-1/2 0.637/0.378 -> 0.644/0.390, code 0.562/0.286 -> 0.546/0.269; end to end
+# equal on chat and behind on HumanEval (docs/BENCHMARKS.md), so v4 stays shipped. Kept to reproduce that result.
 V5 ?= $(RUNS)/v5
 V4_COMMIT ?= 806d840
 V5_STEPS ?= 340
 V5_BUDGET_S ?= 2400
-drafter-v5: setup
+drafter-v5-experiment: setup
 	$(MAKE) drafter-v4-data V4_DATA_SHARDS=7
 	mkdir -p $(V5)/data && ln -sf $(abspath $(V4))/data/shard-*.parquet $(V5)/data/
 	$(call git_dir,$(V4_COMMIT),$(SHIPPED)/drafter,$(V5)/v4-drafter)
-	$(call git_dir,$(V4_COMMIT),$(SHIPPED)/ngram,$(V5)/ngram)
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(V5)/data --out $(V5)/drafter --arch dart:8 \
 	  --resume $(V5)/v4-drafter --lr-schedule fresh --max-steps $(V5_STEPS) --epochs 100 --lr 3e-4 --warmup 20 \
 	  --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 250 --eval-seqs 96 --time-budget $(V5_BUDGET_S)
-	$(BIN)/dart-ray ship --run $(V5)/drafter --ngram $(V5)/ngram \
-	  --command "make drafter-v5 (after make drafter-v4 and the sittings before it, whose drafter it continues)" \
-	  --notes docs/drafter-v5-compute.md
+	$(FAST_ENV) $(BIN)/python scripts/eval_drafters.py --data $(V4)/data --eval-seqs 128 \
+	  v4=$(V5)/v4-drafter v5=$(V5)/drafter/drafter
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup
