@@ -1,33 +1,52 @@
-"""Fixed tree sizes vs the adaptive controller, DART, bs 1, the first 12 prompts of a set.
+"""Fixed tree sizes vs the adaptive controller, DART, bs 1, the first prompts of a set.
 
-    python scripts/sweep_tree_size.py humaneval|chat
+    python scripts/sweep_tree_size.py humaneval|chat [--prompts 12] [--rounds 2]
 
 Each size overrides the controller's choice (the engine still cuts the tree to the first n nodes,
-and DART still skips its drafter where lookup paths fill them); two rounds, one engine, medians of
-per-prompt tokens/s. Checks that the controller picks near the best fixed size on this machine.
+and DART still skips its drafter where lookup paths fill them); one engine, medians of per-prompt
+tokens/s per round. Checks that the controller picks near the best fixed size on this machine.
 """
-import sys, time, statistics
-from dart_ray import Engine, EngineConfig, SamplingParams
-from dart_ray.bench.prompts import load_prompts
-from dart_ray.engine.engine import encode_prompt
-src = sys.argv[1]
-eng = Engine.from_config(EngineConfig(method="dart", max_batch_size=1, max_seq_len=2048))
-tok = eng.target.tokenizer
-ids = [encode_prompt(tok, p, src == "chat") for p in load_prompts(src)[:12]]
-P = SamplingParams(max_new_tokens=128)
-ctl = eng.controller
-orig = ctl.plan
-eng.generate([ids[0]], P)
-def run(label):
-    eng.reset_stats(); rates = []
-    for i in ids:
-        t0 = time.perf_counter(); n = len(eng.generate([i], P)[0].token_ids); rates.append(n / (time.perf_counter() - t0))
-    st = eng.stats()
-    print(f"{src} {label}: median {statistics.median(rates):.1f} tok/s tau {st.mean_accepted_len:.2f}", flush=True)
-for rep in range(2):
-    for n in ("adaptive", 2, 4, 8, 12, 16, 24):
-        if n == "adaptive":
-            ctl.plan = orig
-        else:
-            ctl.plan = (lambda k: (lambda B, m: min(k, m)))(n)
-        run(f"n={n}" if n != "adaptive" else "adaptive")
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+SIZES = ("adaptive", 2, 4, 8, 12, 16, 24)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("prompts", help="humaneval | chat | a .jsonl/.parquet prompt file")
+    ap.add_argument("--prompts", dest="n", type=int, default=12, help="prompts per size")
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+
+    from dart_ray import Engine, EngineConfig, SamplingParams, encode_prompt
+    from dart_ray.bench.prompts import load_prompts
+
+    chat = a.prompts == "chat"
+    eng = Engine.from_config(EngineConfig(method="dart", max_batch_size=1, max_seq_len=2048))
+    ids = [encode_prompt(eng.target.tokenizer, p, chat) for p in load_prompts(a.prompts)[:a.n]]
+    params = SamplingParams(max_new_tokens=128)
+    adaptive = eng.controller.plan
+    eng.generate([ids[0]], params)                                   # warm-up
+    for r in range(a.rounds):
+        for size in SIZES:
+            eng.controller.plan = (adaptive if size == "adaptive"
+                                   else (lambda k: lambda B, max_nodes: min(k, max_nodes))(size))
+            eng.reset_stats()
+            rates = []
+            for prompt in ids:
+                t0 = time.perf_counter()
+                n = len(eng.generate([prompt], params)[0].token_ids)
+                rates.append(n / (time.perf_counter() - t0))
+            label = size if size == "adaptive" else f"n={size}"
+            med = statistics.median(rates)
+            print(f"round {r + 1} {a.prompts} {label}: median {med:.1f} tok/s, "
+                  f"tau {eng.stats().mean_accepted_len:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
