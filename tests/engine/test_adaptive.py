@@ -20,7 +20,7 @@ from dart_ray.engine.controller import (
 )
 from dart_ray.engine.cost import CostModel, load_or_measure, measure_verify_costs
 from dart_ray.models import load_target
-from dart_ray.tree import pack_trees
+from dart_ray.tree import TokenTree, pack_trees
 from dart_ray.tree.search import build_trees
 from dart_ray.verify import accept, greedy_accept, sample_accept
 from dart_ray.verify.logits import NodeLogits, internal_nodes
@@ -351,6 +351,33 @@ def test_lazy_logits_give_identical_tokens_and_skip_leaves():
     m2 = accept(tree, NodeLogits.lazy(tree, hidden, head), mixed,
                 [None, torch.Generator().manual_seed(3), None])
     assert torch.equal(m1.path, m2.path) and torch.equal(m1.bonus, m2.bonus)
+
+
+def test_lazy_logits_take_chain_leaves_in_the_first_call():
+    """Chains (one leaf per row): the leaf joins the eager head call, so a chain accepted to its
+    end needs no second call; the tokens are those of the dense head."""
+    B, T, V = 2, 4, 50
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(B, T, 16, generator=g)
+    W = torch.randn(V, 16, generator=g)
+    calls = []
+
+    def head(h):
+        calls.append(h.shape[0])
+        return (h @ W.T) * 3
+
+    dense = (hidden @ W.T) * 3
+    pred = dense.argmax(-1)                                              # [B, T]
+    toks = torch.zeros(B, T, dtype=torch.long)
+    for i in range(1, T):                       # each node = its parent's argmax: all accepted
+        toks[:, i] = pred[:, i - 1]
+    chain = TokenTree(toks, torch.tensor([[-1, 0, 1, 2]] * B), torch.arange(T).expand(B, T),
+                      torch.ones(B, T, dtype=torch.bool))
+    lazy = NodeLogits.lazy(chain, hidden, head)
+    assert calls == [B * T] and lazy.head_rows == B * T
+    a, b = greedy_accept(chain, dense), greedy_accept(chain, lazy)
+    assert torch.equal(a.path, b.path) and torch.equal(a.bonus, b.bonus)
+    assert a.num_accepted.tolist() == [T - 1] * B and calls == [B * T]  # no second call
 
 
 def test_engine_runs_the_head_on_fewer_rows_than_nodes(tiny, ar_out):
