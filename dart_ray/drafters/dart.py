@@ -19,7 +19,7 @@ from dart_ray.drafters.dart_model import DartModel
 from dart_ray.drafters.ngram import lookup_continuations
 from dart_ray.kv_cache import KVCache
 from dart_ray.masks import attention_mask
-from dart_ray.tree import TokenTree, merge_paths, pack_trees, trie_from_paths
+from dart_ray.tree import TokenTree, Trie, merge_tries, pack_trees
 
 
 class DartDrafter(Drafter):
@@ -168,29 +168,29 @@ class DartDrafter(Drafter):
         from dart_ray.tree.search import build_trees_from_candidates
 
         decoding = view.decoding
-        depth = min(decoding.draft_depth, self.max_draft_depth)
-        B = view.batch_size
         t0 = time.perf_counter()
-        lookups = self._lookup_paths(view, decoding.lookup_len) if decoding.lookup_paths else None
-        if lookups is not None and view.max_nodes is not None:
-            # lookup paths lead the merged tree; where they alone fill the nodes the engine keeps
-            # in every row, the drafter's nodes would all be cut: skip its forward and the search
-            # (same tree after the cut; the drafter takes this step's context next time it runs)
-            tries = [trie_from_paths(paths) for paths in lookups]
-            if all(len(toks) >= view.max_nodes for toks, _ in tries):
-                self.lookup_only_steps += 1
-                tree = pack_trees(view.roots, tries)
-                self.tree_time_s += time.perf_counter() - t0
-                return tree
-        lookup_s = time.perf_counter() - t0
-        vals, ids = self.draft_candidates(B, depth, decoding.top_k)
-        t0 = time.perf_counter()
-        ctx = view.tail_context(max(getattr(self.ngram, "order", 3) - 2, 1))
-        tree, _ = build_trees_from_candidates(view.roots, vals, ids, decoding, context=ctx,
-                                              ngram=self.ngram)
-        if lookups is not None:
-            tree = merge_paths(tree, lookups)
-        self.tree_time_s += time.perf_counter() - t0 + lookup_s
+        draft_s = 0.0
+        # per row: the prompt-lookup paths' trie, which leads the merged tree
+        tries = ([Trie.of(paths) for paths in self._lookup_paths(view, decoding.lookup_len)]
+                 if decoding.lookup_paths else None)
+        if (tries is not None and view.max_nodes is not None
+                and all(len(t.tokens) >= view.max_nodes for t in tries)):
+            # the lookup nodes alone fill what the engine keeps in every row: DART's nodes would
+            # all be cut, so skip its forward and the search (the same tree after the cut; the
+            # drafter takes this step's context with its next forward)
+            self.lookup_only_steps += 1
+            tree = pack_trees(view.roots, [(t.tokens, t.parents) for t in tries])
+        else:
+            depth = min(decoding.draft_depth, self.max_draft_depth)
+            t1 = time.perf_counter()
+            vals, ids = self.draft_candidates(view.batch_size, depth, decoding.top_k)
+            draft_s = time.perf_counter() - t1
+            ctx = view.tail_context(max(getattr(self.ngram, "order", 3) - 2, 1))
+            tree, _ = build_trees_from_candidates(view.roots, vals, ids, decoding, context=ctx,
+                                                  ngram=self.ngram)
+            if tries is not None:
+                tree = merge_tries(tree, tries)
+        self.tree_time_s += time.perf_counter() - t0 - draft_s
         return tree
 
     def max_tree_nodes(self, decoding) -> int:

@@ -140,7 +140,8 @@ class CostModel:
         b = min(self.batches, key=lambda x: abs(x - B))
         t = min(self.tokens, key=lambda x: abs(x - T))
         ratio = min(max(seconds / pred, 0.25), 4.0)      # one outlier (GC, preemption) moves little
-        new = self.verify_s(b, t) * (1.0 - self.alpha + self.alpha * ratio)
+        cell_pred = pred if (b, t) == (B, T) else self.verify_s(b, t)
+        new = cell_pred * (1.0 - self.alpha + self.alpha * ratio)
         self.table[(b, t)] = new
         for tt in self.tokens:
             if tt < t and self.table.get((b, tt), 0.0) > new:

@@ -3,10 +3,12 @@
 from dart_ray.tree.search import NGramScorer, build_trees, build_trees_with_scores
 from dart_ray.tree.tree import (
     TokenTree,
+    Trie,
     ancestor_mask,
     chain_tree,
     empty_tree,
     merge_paths,
+    merge_tries,
     pack_trees,
     trie_from_paths,
 )
@@ -14,12 +16,14 @@ from dart_ray.tree.tree import (
 __all__ = [
     "NGramScorer",
     "TokenTree",
+    "Trie",
     "ancestor_mask",
     "build_trees",
     "build_trees_with_scores",
     "chain_tree",
     "empty_tree",
     "merge_paths",
+    "merge_tries",
     "pack_trees",
     "trie_from_paths",
 ]

@@ -198,6 +198,14 @@ class Trie:
             node = self._node[(parent, token)] = len(self.tokens)
         return node
 
+    @classmethod
+    def of(cls, paths: Sequence[Sequence[int]], budget: int | None = None) -> Trie:
+        """The trie of token paths below the root, in order (shared prefixes become one path)."""
+        trie = cls(budget)
+        for path in paths:
+            trie.add_path(path)
+        return trie
+
     def add_path(self, path: Sequence[int]) -> None:
         """Add a token path below the root (cut where the budget runs out)."""
         node: int | None = 0
@@ -211,38 +219,39 @@ def trie_from_paths(paths: Sequence[Sequence[int]],
                     budget: int | None = None) -> tuple[list[int], list[int]]:
     """Merge token paths into one trie -> (tokens, parents) of its draft nodes (``pack_trees``
     rows)."""
-    trie = Trie(budget)
-    for path in paths:
-        trie.add_path(path)
+    trie = Trie.of(paths, budget)
     return trie.tokens, trie.parents
 
 
 def merge_paths(tree: TokenTree, paths: list[list[list[int]]]) -> TokenTree:
-    """Add token paths (each starting below the root) to every row's tree, sharing nodes.
+    """Add token paths (each starting below the root) to every row's tree, sharing nodes:
+    :func:`merge_tries` of each row's ``Trie.of(paths[b])``."""
+    if len(paths) != tree.batch_size:
+        raise ValueError(f"merge_paths: {len(paths)} path lists for {tree.batch_size} rows")
+    return merge_tries(tree, [Trie.of(p) for p in paths])
 
-    ``paths[b]`` is a list of token lists for row b. The paths come FIRST in the merged node list
-    (they are copies of earlier text, accepted in long runs where they match, so they lead the
-    priority order the adaptive controller truncates by), then the tree's own valid nodes in their
-    order; a node whose (parent, token) already exists is shared, not repeated. Parents precede
-    children, so the result stays topologically ordered. Only deterministic trees can be merged
-    (``draft_probs`` is None).
+
+def merge_tries(tree: TokenTree, tries: list[Trie]) -> TokenTree:
+    """Every row's trie (of token paths below the root) followed by that row's tree nodes.
+
+    The trie's nodes come FIRST in the merged node list (prompt-lookup paths: copies of earlier
+    text, accepted in long runs where they match, so they lead the priority order the adaptive
+    controller truncates by), then the tree's own valid nodes in their order; a node whose
+    (parent, token) already exists is shared, not repeated. Parents precede children, so the
+    result stays topologically ordered. The tries are extended in place. Only deterministic trees
+    can be merged (``draft_probs`` is None).
     """
     if tree.draft_probs is not None:
         raise ValueError("merge_paths: trees with sampled drafts (draft_probs) cannot take extra "
                          "paths")
-    if len(paths) != tree.batch_size:
-        raise ValueError(f"merge_paths: {len(paths)} path lists for {tree.batch_size} rows")
-    if not any(paths):
+    if len(tries) != tree.batch_size:
+        raise ValueError(f"merge_tries: {len(tries)} tries for {tree.batch_size} rows")
+    if not any(t.tokens for t in tries):
         return tree
     toks, pars, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
-    rows: list[tuple[list[int], list[int]]] = []
-    for b in range(tree.batch_size):
-        trie = Trie()
-        for path in paths[b]:
-            trie.add_path(path)
+    for b, trie in enumerate(tries):
         new_index = {0: 0}
         for i in range(1, len(toks[b])):
             if valid[b][i]:
                 new_index[i] = trie.add(new_index[pars[b][i]], toks[b][i])
-        rows.append((trie.tokens, trie.parents))
-    return pack_trees(tree.tokens[:, 0], rows)
+    return pack_trees(tree.tokens[:, 0], [(t.tokens, t.parents) for t in tries])
