@@ -4,7 +4,8 @@
 
 Each size overrides the controller's choice (the engine still cuts the tree to the first n nodes,
 and DART still skips its drafter where lookup paths fill them); one engine, medians of per-prompt
-tokens/s per round. Checks that the controller picks near the best fixed size on this machine.
+tokens/s per round, and how many speculative steps ran no drafter forward (lookup paths filled the
+kept nodes). Checks that the controller picks near the best fixed size on this machine.
 """
 
 from __future__ import annotations
@@ -37,15 +38,18 @@ def main() -> None:
             eng.controller.plan = (adaptive if size == "adaptive"
                                    else (lambda k: lambda B, max_nodes: min(k, max_nodes))(size))
             eng.reset_stats()
+            skipped = eng.drafter.lookup_only_steps
             rates = []
             for prompt in ids:
                 t0 = time.perf_counter()
                 n = len(eng.generate([prompt], params)[0].token_ids)
                 rates.append(n / (time.perf_counter() - t0))
             label = size if size == "adaptive" else f"n={size}"
-            med = statistics.median(rates)
+            med, st = statistics.median(rates), eng.stats()
+            skipped = eng.drafter.lookup_only_steps - skipped
             print(f"round {r + 1} {a.prompts} {label}: median {med:.1f} tok/s, "
-                  f"tau {eng.stats().mean_accepted_len:.2f}", flush=True)
+                  f"tau {st.mean_accepted_len:.2f}, drafter skipped on {skipped} of "
+                  f"{st.steps - st.ar_steps} speculative steps", flush=True)
 
 
 if __name__ == "__main__":
