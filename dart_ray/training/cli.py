@@ -84,6 +84,9 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--exclude-data", default="",
                    help="comma list of data directories whose prompts are answered already (e.g. "
                         "on another machine): left out here; train on both with --data A,B")
+    p.add_argument("--only-split", choices=("train", "val"), default=None,
+                   help="answer only the prompts that hash to this split (val: a larger held-out "
+                        "set for scripts/eval_drafters.py, never trained on)")
     a = p.parse_args(argv)
     if a.text_tokens:
         from dart_ray.training.gen_data import write_text_corpus
@@ -96,7 +99,7 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
                         threads=a.threads,
                         max_shards=a.max_shards, prompts_dir=a.prompts,
                         followup_temperature=a.followup_temperature, device=a.device,
-                        exclude_data=a.exclude_data or None)
+                        exclude_data=a.exclude_data or None, only_split=a.only_split)
     print(f"data in {out}")
     return 0
 
@@ -148,7 +151,10 @@ def train_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-seqs", type=int, default=48,
-                   help="held-out sequences evaluated per domain (chat, code)")
+                   help="held-out sequences evaluated per domain (chat, code, text)")
+    p.add_argument("--eval-data", default=None,
+                   help="comma list of further data directories whose val rows join the held-out "
+                        "set (e.g. make heldout-code's gen-data --only-split val)")
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds of this invocation's training loop; then stop cleanly "
@@ -189,6 +195,7 @@ def train_cli(argv: list[str] | None = None) -> int:
                           epochs=1.0 if a.epochs is None else a.epochs, max_steps=a.max_steps,
                           seqs_per_step=a.seqs_per_step, max_len=a.max_len,
                           draft_vocab=a.draft_vocab, eval_every=a.eval_every, eval_seqs=a.eval_seqs,
+                          eval_data=a.eval_data,
                           ckpt_every=a.ckpt_every, time_budget_s=a.time_budget, threads=a.threads,
                           device=a.device, dtype=a.dtype, seed=a.seed, resume=a.resume,
                           lr_schedule=a.lr_schedule,

@@ -31,8 +31,11 @@ from pathlib import Path
 
 SCHEMA_COLUMNS = ("prompt", "source", "chat", "prompt_ids", "response_ids", "split", "category",
                   "followup")
-DOMAINS = {"chat": "chat", "code": "code", "text": "code"}
-"""Evaluation domain of each row source (teacher-only stdlib text is code)."""
+DOMAINS = {"chat": "chat", "code": "code", "text": "text"}
+"""Evaluation domain of each row source. Teacher-only stdlib text is its own domain: it is source
+code people wrote, where the target's argmax is far harder to predict than on the code the target
+writes itself (what the drafter meets when serving), so pooling it with ``code`` would measure the
+text, not the drafter's serving accuracy on code."""
 
 
 def split_of(prompt: str, val_frac: float) -> str:
@@ -47,7 +50,7 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
                   | None = None, progress: bool = True, corpus: list[dict] | None = None,
                   max_shards: int | None = None, prompts_dir: str | Path | None = None,
                   followup_temperature: float = 0.7, engine=None, device: str = "cpu",
-                  exclude_data: str | Path | None = None) -> Path:
+                  exclude_data: str | Path | None = None, only_split: str | None = None) -> Path:
     """Generate target answers for ``corpus`` (default: :func:`build_corpus`, its chat half from
     ``prompts_dir`` when given) into parquet shards (only the first ``max_shards`` shards when
     given: a budgeted run that a later call may extend). ``method``: the engine's method (any is
@@ -55,7 +58,9 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
     GPU); ``device``: where the target runs. ``exclude_data``: data directories (one, or a comma
     list) whose prompts are answered already (e.g. by a run on another machine): their rows are
     left out of this corpus, so ``train-drafter --data THIS,THAT`` trains on both without
-    duplicates."""
+    duplicates. ``only_split``: answer only the prompts whose hash puts them in that split (``val``:
+    a bigger held-out set that no training run can have seen, at ``val_frac`` of the cost of
+    answering everything; ``train``: rows that add nothing to the held-out set)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -79,6 +84,10 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
     if exclude_data:
         answered = answered_prompts(exclude_data)
         rows = [r for r in rows if r["prompt"] not in answered]
+    if only_split is not None:
+        if only_split not in ("train", "val"):
+            raise ValueError(f"only_split must be 'train' or 'val', not {only_split!r}")
+        rows = [r for r in rows if split_of(r["prompt"], val_frac) == only_split]
     _check_corpus_manifest(out, rows, shard_size)
     shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)][:max_shards]
     todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.parquet").is_file()]
@@ -223,7 +232,7 @@ def load_sequences(data_dir: str | Path, split: str) -> list[tuple[list[int], in
 
 def load_rows(data_dir: str | Path, split: str) -> list[tuple[list[int], int, str]]:
     """(prompt + response ids, prompt length, domain) for every row of ``split``; the domain is
-    ``chat`` or ``code`` (:data:`DOMAINS`)."""
+    ``chat``, ``code`` (the target's answers to code prompts) or ``text`` (:data:`DOMAINS`)."""
     import pyarrow.parquet as pq
 
     files = data_files(data_dir)

@@ -119,7 +119,10 @@ class TrainConfig:
     eval_every: int = 100
     ckpt_every: int = 100
     eval_seqs: int = 48
-    """Held-out sequences evaluated per domain (chat, code)."""
+    """Held-out sequences evaluated per domain (chat, code, text)."""
+    eval_data: str | None = None
+    """Further data directories (comma list) whose ``val`` rows join the held-out set, e.g. a
+    ``gen-data --only-split val`` set (their training rows are not trained on)."""
     seed: int = 0
     threads: int | None = None
     device: str = "cpu"
@@ -189,8 +192,8 @@ class TrainConfig:
 
 
 LR_SCHEDULES = ("continue", "fresh")
-RESTART_FREE = ("out", "time_budget_s", "eval_every", "ckpt_every", "eval_seqs", "threads", "data",
-                "dtype", "device")
+RESTART_FREE = ("out", "time_budget_s", "eval_every", "ckpt_every", "eval_seqs", "eval_data",
+                "threads", "data", "dtype", "device")
 """TrainConfig fields a restarted run may change (they fix neither the plan nor the data order;
 the data is identified by its fingerprint, not its path; a run moved to a machine where ``auto``
 resolves otherwise continues, in the other dtype)."""
@@ -443,7 +446,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     if not train_rows:
         raise ValueError(f"no training rows in {cfg.data}")
     train_seqs = [(ids, plen) for ids, plen, _ in train_rows]
-    val, held_out = _val_by_domain(train_rows, load_rows(cfg.data, "val"), cfg.eval_seqs)
+    val_rows = load_rows(cfg.data, "val")
+    if cfg.eval_data:
+        val_rows += load_rows(cfg.eval_data, "val")
+    val, held_out = _val_by_domain(train_rows, val_rows, cfg.eval_seqs)
     cache = target.new_cache(cfg.seqs_per_step, cfg.max_len + 8)
     steps_per_epoch = len(train_seqs) // cfg.seqs_per_step
     if steps_per_epoch == 0:

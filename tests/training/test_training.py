@@ -669,6 +669,36 @@ def test_data_made_in_parts_trains_as_one(tmp_path, tiny_dirs):
     assert s["train_seqs"] == len(seqs) and s["data"]["rows_by_source"] == {"code": 12}
 
 
+def test_only_split_answers_that_split_and_text_is_its_own_domain(tmp_path, tiny_dirs):
+    """``only_split="val"`` answers exactly the prompts a whole run holds out (a larger held-out
+    set costs no training rows); stdlib text rows evaluate as their own domain, not as code."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dart_ray.training.gen_data import SCHEMA_COLUMNS, load_rows
+
+    corpus = _code_corpus("s", "minus", 16)
+    whole = _answered(tmp_path / "w", tiny_dirs, corpus, shard_size=8, val_frac=0.4)
+    val = _answered(tmp_path / "v", tiny_dirs, corpus, shard_size=8, val_frac=0.4,
+                    only_split="val")
+    assert load_rows(val, "train") == []
+    assert sorted(load_rows(val, "val")) == sorted(load_rows(whole, "val")) != []
+    with pytest.raises(ValueError, match="only_split"):
+        _answered(tmp_path / "x", tiny_dirs, corpus, only_split="test")
+    # such a set joins a run's held-out split (train_rows of it: none, and never trained on)
+    from dart_ray.training.trainer import train
+
+    s = train(_base_cfg(whole, tiny_dirs, out=str(tmp_path / "run"), max_steps=1, eval_seqs=50,
+                        eval_data=str(val)), progress=False)
+    n_val = len(load_rows(whole, "val"))
+    assert s["val_seqs_by_domain"] == {"code": 2 * n_val}
+    assert s["train_seqs"] == len(load_rows(whole, "train"))
+    row = {"prompt": "x.py:0", "source": "text", "chat": False, "prompt_ids": [1],
+           "response_ids": [2, 3, 4], "split": "val", "category": "", "followup": ""}
+    pq.write_table(pa.table({k: [row[k]] for k in SCHEMA_COLUMNS}), val / "text-00000.parquet")
+    assert {d for _, _, d in load_rows(val, "val")} == {"code", "text"}
+
+
 def test_device_is_a_restart_free_setting_and_cards_carry_notes(tmp_path, tiny):
     """A run may restart on another device (checkpoints are device-free); the card carries the
     notes given to ``ship`` (compute of every sitting)."""
