@@ -17,6 +17,11 @@ import time
 SIZES = ("adaptive", 2, 4, 8, 12, 16, 24)
 
 
+def _fixed(n: int):
+    """A controller ``plan`` that always keeps ``n`` nodes (at most what the step allows)."""
+    return lambda B, max_nodes: min(n, max_nodes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("prompts", help="humaneval | chat | a .jsonl/.parquet prompt file")
@@ -35,8 +40,7 @@ def main() -> None:
     eng.generate([ids[0]], params)                                   # warm-up
     for r in range(a.rounds):
         for size in SIZES:
-            eng.controller.plan = (adaptive if size == "adaptive"
-                                   else (lambda k: lambda B, max_nodes: min(k, max_nodes))(size))
+            eng.controller.plan = adaptive if size == "adaptive" else _fixed(size)
             eng.reset_stats()
             skipped = eng.drafter.lookup_only_steps
             rates = []

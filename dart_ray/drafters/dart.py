@@ -19,7 +19,7 @@ from dart_ray.drafters.dart_model import DartModel
 from dart_ray.drafters.ngram import lookup_continuations
 from dart_ray.kv_cache import KVCache
 from dart_ray.masks import attention_mask
-from dart_ray.tree import TokenTree, Trie, merge_tries, pack_trees
+from dart_ray.tree import TokenTree, Trie, merge_tries, pack_tries
 
 
 class DartDrafter(Drafter):
@@ -179,7 +179,7 @@ class DartDrafter(Drafter):
             # all be cut, so skip its forward and the search (the same tree after the cut; the
             # drafter takes this step's context with its next forward)
             self.lookup_only_steps += 1
-            tree = pack_trees(view.roots, [(t.tokens, t.parents) for t in tries])
+            tree = pack_tries(view.roots, tries)
         else:
             depth = min(decoding.draft_depth, self.max_draft_depth)
             t1 = time.perf_counter()

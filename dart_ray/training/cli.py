@@ -46,7 +46,7 @@ def gen_prompts_cli(argv: list[str] | None = None) -> int:
 
 
 def gen_data_cli(argv: list[str] | None = None) -> int:
-    from dart_ray.training.gen_data import generate_data
+    from dart_ray.training.gen_data import SPLITS, generate_data
 
     p = argparse.ArgumentParser(prog="dart-ray gen-data",
                                 description="self-distillation data (resumable)")
@@ -84,7 +84,7 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--exclude-data", default="",
                    help="comma list of data directories whose prompts are answered already (e.g. "
                         "on another machine): left out here; train on both with --data A,B")
-    p.add_argument("--only-split", choices=("train", "val"), default=None,
+    p.add_argument("--only-split", choices=SPLITS, default=None,
                    help="answer only the prompts that hash to this split (val: a larger held-out "
                         "set for scripts/eval_drafters.py, never trained on)")
     a = p.parse_args(argv)

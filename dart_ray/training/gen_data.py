@@ -38,6 +38,10 @@ writes itself (what the drafter meets when serving), so pooling it with ``code``
 text, not the drafter's serving accuracy on code."""
 
 
+SPLITS = ("train", "val")
+"""The splits a row can be in (:func:`split_of`)."""
+
+
 def split_of(prompt: str, val_frac: float) -> str:
     h = int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
     return "val" if h < val_frac else "train"
@@ -85,8 +89,8 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
         answered = answered_prompts(exclude_data)
         rows = [r for r in rows if r["prompt"] not in answered]
     if only_split is not None:
-        if only_split not in ("train", "val"):
-            raise ValueError(f"only_split must be 'train' or 'val', not {only_split!r}")
+        if only_split not in SPLITS:
+            raise ValueError(f"only_split must be one of {SPLITS}, not {only_split!r}")
         rows = [r for r in rows if split_of(r["prompt"], val_frac) == only_split]
     _check_corpus_manifest(out, rows, shard_size)
     shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)][:max_shards]

@@ -10,6 +10,7 @@ from dart_ray.tree.tree import (
     merge_paths,
     merge_tries,
     pack_trees,
+    pack_tries,
     trie_from_paths,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "empty_tree",
     "merge_paths",
     "merge_tries",
+    "pack_tries",
     "pack_trees",
     "trie_from_paths",
 ]

@@ -254,4 +254,9 @@ def merge_tries(tree: TokenTree, tries: list[Trie]) -> TokenTree:
         for i in range(1, len(toks[b])):
             if valid[b][i]:
                 new_index[i] = trie.add(new_index[pars[b][i]], toks[b][i])
-    return pack_trees(tree.tokens[:, 0], [(t.tokens, t.parents) for t in tries])
+    return pack_tries(tree.tokens[:, 0], tries)
+
+
+def pack_tries(roots: torch.Tensor, tries: list[Trie]) -> TokenTree:
+    """One tree per row: ``roots[b]`` over the draft nodes of ``tries[b]`` (:func:`pack_trees`)."""
+    return pack_trees(roots, [(t.tokens, t.parents) for t in tries])

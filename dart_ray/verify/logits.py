@@ -8,7 +8,7 @@ AVX2 CPU in fp32, 9 ms at 1 row and 48 ms at 61 rows). Acceptance reads the logi
 
 So :meth:`NodeLogits.lazy` computes the head eagerly on the root and every node with a valid child,
 and :meth:`NodeLogits.at` computes any other node (an accepted leaf, for its bonus) on demand, in
-one call for all rows that need it. Where the batch's trees have at most one leaf per row (chains:
+one call for all rows that need it. Where the batch's trees have no more leaves than rows (chains:
 prompt lookup, small adaptive trees) the leaves join the eager call: one more row per row costs
 little next to a second call, which re-reads the whole head (~1-2 ms for SmolLM2 in bf16 on 2
 cores, ~9 ms in fp32 on AVX2) whenever a chain is accepted to its end. Outputs are those of the
