@@ -148,7 +148,13 @@ def train_cli(argv: list[str] | None = None) -> int:
                    help="target layer for --init-from-target (default: the last tapped layer)")
     p.add_argument("--seqs-per-step", type=int, default=4)
     p.add_argument("--max-len", type=int, default=320)
-    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="size of the drafter's own vocabulary (the data answers' most frequent "
+                        "tokens); a resumed drafter keeps its own unless --revocab")
+    p.add_argument("--revocab", action="store_true",
+                   help="with --resume ... --lr-schedule fresh: re-choose the draft vocabulary "
+                        "(--draft-vocab tokens) from this data; shared tokens keep their trained "
+                        "head rows, new ones start from the target's")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-seqs", type=int, default=48,
                    help="held-out sequences evaluated per domain (chat, code, text)")
@@ -199,7 +205,8 @@ def train_cli(argv: list[str] | None = None) -> int:
                           ckpt_every=a.ckpt_every, time_budget_s=a.time_budget, threads=a.threads,
                           device=a.device, dtype=a.dtype, seed=a.seed, resume=a.resume,
                           lr_schedule=a.lr_schedule,
-                          init_from_target=a.init_from_target, init_layer=a.init_layer)
+                          init_from_target=a.init_from_target, init_layer=a.init_layer,
+                          revocab=a.revocab)
     except ValueError as e:
         p.error(str(e))
     summary = train(cfg)

@@ -67,6 +67,7 @@ from dart_ray.training.objectives import (
     student_autocast,
     teacher_pass,
 )
+from dart_ray.training.vocab import choose_draft_vocab, coverage, revocab_head
 
 ARCHS = objective_names()
 """Training objectives (``--arch``), from the method registry (:mod:`dart_ray.methods`); each is
@@ -147,6 +148,11 @@ class TrainConfig:
     random. The head always starts as the target's head rows of the draft vocabulary."""
     init_layer: int | None = None
     """Target layer for ``init_from_target`` (default: the last tapped layer)."""
+    revocab: bool = False
+    """With ``resume`` and ``lr_schedule="fresh"`` (dart/eagle): choose a new draft vocabulary of
+    ``draft_vocab`` tokens from this data's answers instead of keeping the source's; the head rows
+    of the tokens both share carry over, new ones start from the target's head rows
+    (:func:`dart_ray.training.vocab.revocab_head`)."""
 
     def __post_init__(self) -> None:
         objective = get_objective(self.arch)
@@ -189,6 +195,12 @@ class TrainConfig:
         if self.init_from_target and self.resume is not None:
             raise ValueError("init_from_target initialises a new drafter; a resumed one has its "
                              "weights")
+        if self.revocab and (self.resume is None or self.lr_schedule != "fresh" or self.joint
+                             or self.arch not in ("dart", "eagle") or not self.draft_vocab):
+            raise ValueError("revocab re-chooses the draft vocabulary of one resumed dart/eagle "
+                             "drafter: it needs resume, lr_schedule 'fresh' (the optimizer "
+                             "moments of the old head rows do not carry over), draft_vocab > 0 and "
+                             "no joint students")
 
 
 LR_SCHEDULES = ("continue", "fresh")
@@ -211,14 +223,6 @@ def run_key(cfg: TrainConfig, data_key: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # the loop
 # ---------------------------------------------------------------------------------------------
-def choose_draft_vocab(seqs: list[tuple[list[int], int]], size: int, vocab: int) -> torch.Tensor:
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for ids, _ in seqs:
-        counts += torch.bincount(torch.tensor(ids), minlength=vocab)
-    top = counts.topk(min(size, vocab)).indices
-    return top.sort().values
-
-
 def _batches(seqs, n: int, max_len: int, rng: torch.Generator):
     order = torch.randperm(len(seqs), generator=rng).tolist()
     for i in range(0, len(order) - n + 1, n):
@@ -396,6 +400,20 @@ def _val_by_domain(train_rows, val_rows, n: int) -> tuple[dict[str, list], bool]
             for dom, seqs in sorted(out.items())}, held_out
 
 
+def _revocab_source(src: Source, d2t: torch.Tensor, target_head: torch.Tensor, seqs,
+                    vocab: int) -> Source:
+    """``src`` with its head moved to the draft vocabulary ``d2t`` (``--revocab``)."""
+    model = dict(src.state["model"])
+    old = model["d2t"].long()
+    print(f"revocab: draft vocab {len(old)} -> {len(d2t)} ({int(torch.isin(d2t, old).sum())} "
+          f"shared); answer coverage {coverage(seqs, old, vocab):.1%} -> "
+          f"{coverage(seqs, d2t, vocab):.1%}")
+    model["head.weight"] = revocab_head(model["head.weight"], old, d2t, target_head)
+    model["d2t"] = d2t.clone()
+    config = {**(src.state.get("config") or {}), "draft_vocab": len(d2t)}
+    return dataclasses.replace(src, state={**src.state, "model": model, "config": config})
+
+
 def _start_sources(cfg: TrainConfig, dirs: dict[str, Path]) -> dict[str, Source]:
     """Where each student starts: its own checkpoint (restart), ``cfg.resume``, or new."""
     from dart_ray.training.checkpoint import STATE_FILE, find_resume, load_state
@@ -481,9 +499,13 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         raise RuntimeError("joint students resumed at different steps "
                            f"{[s.step for s in sources.values()]}; delete the lagging checkpoint "
                            "or train them separately")
-    # draft vocabulary: a started drafter keeps its own; a new one takes the data's most frequent
-    # tokens
+    # draft vocabulary: a started drafter keeps its own (unless --revocab re-chooses it); a new one
+    # takes the most frequent tokens of the data's answers
     t2d = d2t = None
+    if cfg.revocab and sources[cfg.arch].kind in ("checkpoint", "drafter"):
+        sources[cfg.arch] = _revocab_source(
+            sources[cfg.arch], choose_draft_vocab(train_seqs, cfg.draft_vocab, args.vocab_size),
+            target.lm_head.weight, train_seqs, args.vocab_size)
     kept = [s.state["model"]["d2t"] for s in sources.values() if s.kind != "new"
             and "d2t" in s.state["model"]]
     if kept:
@@ -497,9 +519,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     if d2t is not None:
         t2d = torch.full((args.vocab_size,), -1, dtype=torch.long)
         t2d[d2t] = torch.arange(len(d2t))
-        n_tok = sum(len(s) for s, _ in train_seqs)
-        covered = sum(int((t2d[torch.tensor(s)] >= 0).sum()) for s, _ in train_seqs)
-        print(f"draft vocab {len(d2t)}: covers {covered / n_tok:.1%} of training tokens")
+        print(f"draft vocab {len(d2t)}: covers {coverage(train_seqs, d2t, args.vocab_size):.1%} "
+              "of the training answers' tokens")
         t2d = t2d.to(dev)
     src0 = sources[cfg.arch]
     # joint students share it

@@ -69,6 +69,13 @@ def test_shipped_artifacts_match_the_registry():
             assert all(x is None for x in unset)
 
 
+def test_shipped_artifacts_are_small():
+    """Every shipped artifact (each drafter, the N-gram model) stays within 25 MB."""
+    for d in (p for p in SHIPPED.iterdir() if p.is_dir()):
+        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        assert 0 < size <= 25 * 10**6, (d.name, size)
+
+
 def test_training_and_shipping_derive_from_the_registry():
     from dart_ray.training.ship import trained_method
     from dart_ray.training.trainer import ARCHS

@@ -462,6 +462,70 @@ def test_resume_from_a_drafter_dir_keeps_its_vocabulary(tmp_path, tiny, tiny_dir
                         resume=str(tmp_path / "w"), lr_schedule="fresh"), progress=False)
 
 
+def test_choose_draft_vocab_counts_answers_only():
+    from dart_ray.training.vocab import choose_draft_vocab, coverage
+
+    # prompt tokens 9 (x5) are read, never drafted: the vocabulary is the answers' top tokens
+    seqs = [([9, 9, 9, 9, 9, 1, 1, 2], 5), ([9, 3, 1], 1)]
+    d2t = choose_draft_vocab(seqs, 2, 10)
+    assert d2t.tolist() == [1, 2]
+    assert coverage(seqs, d2t, 10) == pytest.approx(4 / 5)
+
+
+def test_revocab_head_keeps_shared_rows_and_maps_new_ones():
+    """Shared tokens keep their trained rows; when the trained head is an exact linear map of the
+    target's rows, the new rows are that map of theirs."""
+    from dart_ray.training.vocab import revocab_head
+
+    g = torch.Generator().manual_seed(0)
+    target_head = torch.randn(50, 8, generator=g)
+    A = torch.randn(8, 8, generator=g)
+    old = torch.arange(0, 40)
+    head = target_head[old] @ A
+    head[3] += 5.0                                      # a trained row that fits no map: kept as is
+    new = torch.tensor([3, 5, 41, 45, 49])
+    out = revocab_head(head, old, new, target_head, ridge=0.0)
+    assert out.shape == (5, 8)
+    assert torch.equal(out[0], head[3]) and torch.equal(out[1], head[5])
+    exact = revocab_head(target_head[old] @ A, old, new, target_head, ridge=0.0)
+    torch.testing.assert_close(exact[2:], target_head[new[2:]] @ A, atol=1e-3, rtol=1e-3)
+
+
+def test_revocab_resume_re_chooses_the_vocabulary(tmp_path, tiny, tiny_dirs, tiny_mixed_data):
+    """--revocab: the resumed drafter's vocabulary becomes the data answers' most frequent tokens,
+    the rows of tokens it shares with the source stay (bf16-exact), the rest of the weights too."""
+    from dart_ray.training.gen_data import load_rows
+    from dart_ray.training.trainer import train
+    from dart_ray.training.vocab import choose_draft_vocab
+
+    cfg = DartConfig.for_target(tiny.args, tiny.model_id, depth=3, draft_vocab=256, tie_head=False)
+    shipped = DartModel(cfg).init_random(7)
+    shipped.d2t.copy_(torch.arange(256) * 7 % tiny.args.vocab_size)
+    shipped.d2t.copy_(shipped.d2t.sort().values)
+    shipped.to(torch.bfloat16).save(tmp_path / "shipped")
+    src = DartModel.load(tmp_path / "shipped")
+    with pytest.raises(ValueError, match="revocab"):
+        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "x"), revocab=True)
+    with pytest.raises(ValueError, match="revocab"):
+        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "x"), revocab=True,
+                  resume=str(tmp_path / "shipped"), lr_schedule="continue")
+    run = _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "z"), draft_vocab=128,
+                    resume=str(tmp_path / "shipped"), lr_schedule="fresh", max_steps=1, lr=0.0,
+                    revocab=True)
+    s = train(run, progress=False)
+    assert s["steps"] == 1
+    got = DartModel.load(tmp_path / "z" / "drafter")
+    seqs = [(ids, plen) for ids, plen, _ in load_rows(run.data, "train")]
+    want = choose_draft_vocab(seqs, 128, tiny.args.vocab_size)
+    assert torch.equal(got.d2t, want)
+    shared = torch.isin(want, src.d2t)
+    assert 0 < int(shared.sum()) < 128
+    where = {int(t): i for i, t in enumerate(src.d2t)}
+    rows = torch.tensor([where[int(t)] for t in want[shared]])
+    assert torch.equal(got.head.weight[shared], src.head.weight[rows])
+    assert torch.equal(got.fc.weight, src.fc.weight)
+
+
 def test_train_cli_resume_needs_an_explicit_schedule(tmp_path, capsys):
     from dart_ray.training.cli import train_cli
 
