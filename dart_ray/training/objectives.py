@@ -93,6 +93,8 @@ class Objective:
     """Trains only with a reduced draft vocabulary (``draft_vocab > 0``)."""
     inits_from_target_layer: bool = False
     """Accepts ``init_from_target`` (its layer can start as a copy of a target layer)."""
+    revocabs: bool = False
+    """Accepts ``revocab`` (one own head ``head.weight`` over the draft vocabulary ``d2t``)."""
 
     def build(self, cfg: TrainConfig, tgt, d2t: torch.Tensor | None, new: bool) -> torch.nn.Module:
         """The network of ``cfg`` for the loaded target ``tgt`` (float32). ``new``: its weights are
@@ -142,6 +144,7 @@ class DartObjective(Objective):
     name = "dart"
     needs_draft_vocab = False
     inits_from_target_layer = True
+    revocabs = True
 
     def build(self, cfg, tgt, d2t, new):
         args, target = tgt.args, tgt.model

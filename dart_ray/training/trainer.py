@@ -67,7 +67,7 @@ from dart_ray.training.objectives import (
     student_autocast,
     teacher_pass,
 )
-from dart_ray.training.vocab import choose_draft_vocab, coverage, revocab_head
+from dart_ray.training.vocab import choose_draft_vocab, coverage, revocab_head, target_to_draft
 
 ARCHS = objective_names()
 """Training objectives (``--arch``), from the method registry (:mod:`dart_ray.methods`); each is
@@ -149,10 +149,10 @@ class TrainConfig:
     init_layer: int | None = None
     """Target layer for ``init_from_target`` (default: the last tapped layer)."""
     revocab: bool = False
-    """With ``resume`` and ``lr_schedule="fresh"`` (dart/eagle): choose a new draft vocabulary of
-    ``draft_vocab`` tokens from this data's answers instead of keeping the source's; the head rows
-    of the tokens both share carry over, new ones start from the target's head rows
-    (:func:`dart_ray.training.vocab.revocab_head`)."""
+    """With ``resume`` and ``lr_schedule="fresh"`` (an objective that ``revocabs``: dart, eagle):
+    choose a new draft vocabulary of ``draft_vocab`` tokens from this data's answers instead of
+    keeping the source's; the head rows of the tokens both share carry over, new ones start from
+    the target's head rows (:func:`dart_ray.training.vocab.revocab_head`)."""
 
     def __post_init__(self) -> None:
         objective = get_objective(self.arch)
@@ -196,9 +196,10 @@ class TrainConfig:
             raise ValueError("init_from_target initialises a new drafter; a resumed one has its "
                              "weights")
         if self.revocab and (self.resume is None or self.lr_schedule != "fresh" or self.joint
-                             or self.arch not in ("dart", "eagle") or not self.draft_vocab):
-            raise ValueError("revocab re-chooses the draft vocabulary of one resumed dart/eagle "
-                             "drafter: it needs resume, lr_schedule 'fresh' (the optimizer "
+                             or not objective.revocabs or not self.draft_vocab):
+            able = [a for a in objective_names() if get_objective(a).revocabs]
+            raise ValueError(f"revocab re-chooses the draft vocabulary of one resumed drafter of "
+                             f"{able}: it needs resume, lr_schedule 'fresh' (the optimizer "
                              "moments of the old head rows do not carry over), draft_vocab > 0 and "
                              "no joint students")
 
@@ -406,8 +407,8 @@ def _revocab_source(src: Source, d2t: torch.Tensor, target_head: torch.Tensor, s
     model = dict(src.state["model"])
     old = model["d2t"].long()
     print(f"revocab: draft vocab {len(old)} -> {len(d2t)} ({int(torch.isin(d2t, old).sum())} "
-          f"shared); answer coverage {coverage(seqs, old, vocab):.1%} -> "
-          f"{coverage(seqs, d2t, vocab):.1%}")
+          f"shared); the old one covers {coverage(seqs, old, vocab):.1%} of the training answers' "
+          "tokens")
     model["head.weight"] = revocab_head(model["head.weight"], old, d2t, target_head)
     model["d2t"] = d2t.clone()
     config = {**(src.state.get("config") or {}), "draft_vocab": len(d2t)}
@@ -517,11 +518,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     elif cfg.draft_vocab:
         d2t = choose_draft_vocab(train_seqs, cfg.draft_vocab, args.vocab_size)
     if d2t is not None:
-        t2d = torch.full((args.vocab_size,), -1, dtype=torch.long)
-        t2d[d2t] = torch.arange(len(d2t))
         print(f"draft vocab {len(d2t)}: covers {coverage(train_seqs, d2t, args.vocab_size):.1%} "
               "of the training answers' tokens")
-        t2d = t2d.to(dev)
+        t2d = target_to_draft(d2t, args.vocab_size).to(dev)
     src0 = sources[cfg.arch]
     # joint students share it
     plan = plan_for(src0, cfg.lr_schedule, cfg.lr, cfg.warmup_steps, run_steps)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["choose_draft_vocab", "coverage", "revocab_head"]
+__all__ = ["choose_draft_vocab", "coverage", "revocab_head", "target_to_draft"]
 
 
 def choose_draft_vocab(seqs: list[tuple[list[int], int]], size: int, vocab: int) -> torch.Tensor:
@@ -28,10 +28,16 @@ def choose_draft_vocab(seqs: list[tuple[list[int], int]], size: int, vocab: int)
     return order[:min(size, vocab)].sort().values
 
 
+def target_to_draft(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The inverse map of ``d2t``: [vocab] draft id of each target token, -1 outside it."""
+    t2d = torch.full((vocab,), -1, dtype=torch.long, device=d2t.device)
+    t2d[d2t] = torch.arange(len(d2t), device=d2t.device)
+    return t2d
+
+
 def coverage(seqs: list[tuple[list[int], int]], d2t: torch.Tensor, vocab: int) -> float:
     """Fraction of the answer tokens of ``seqs`` inside the draft vocabulary ``d2t``."""
-    inside = torch.zeros(vocab, dtype=torch.bool)
-    inside[d2t] = True
+    inside = target_to_draft(d2t.cpu(), vocab) >= 0
     n = hit = 0
     for ids, plen in seqs:
         ans = torch.tensor(ids[plen:], dtype=torch.long)
@@ -47,15 +53,13 @@ def revocab_head(head: torch.Tensor, old_d2t: torch.Tensor, new_d2t: torch.Tenso
     Shared tokens keep their rows. The rest are ``target_head[tok] @ A`` with A [H, H] the ridge
     least-squares fit of ``target_head[old_d2t] @ A ~= head``.
     """
-    head, target_head = head.float(), target_head.float()
+    head, target_head = head.float().cpu(), target_head.float().cpu()
     old_d2t, new_d2t = old_d2t.long().cpu(), new_d2t.long().cpu()
-    X = target_head[old_d2t].cpu()                                                # [Vd_old, H]
+    X = target_head[old_d2t]                                                      # [Vd_old, H]
     H = X.shape[1]
-    A = torch.linalg.solve(X.t() @ X + ridge * len(X) * torch.eye(H), X.t() @ head.cpu())  # [H, H]
-    out = target_head[new_d2t].cpu() @ A                                          # [Vd_new, H]
-    where_old = torch.full((int(max(old_d2t.max(), new_d2t.max())) + 1,), -1, dtype=torch.long)
-    where_old[old_d2t] = torch.arange(len(old_d2t))
-    pos = where_old[new_d2t]                                                      # [Vd_new]
+    A = torch.linalg.solve(X.t() @ X + ridge * len(X) * torch.eye(H), X.t() @ head)  # [H, H]
+    out = target_head[new_d2t] @ A                                                # [Vd_new, H]
+    pos = target_to_draft(old_d2t, len(target_head))[new_d2t]                     # [Vd_new]
     shared = pos >= 0
-    out[shared] = head.cpu()[pos[shared]]
-    return out.to(head.dtype)
+    out[shared] = head[pos[shared]]
+    return out
