@@ -1,5 +1,6 @@
 """Held-out accuracy of several DART/EAGLE drafters on the SAME held-out prefixes (one teacher pass
-per batch serves them all), per domain: per-level top-1/top-5 vs the target's argmax and chain_tau.
+per batch serves them all), per domain: per-level top-1/top-5 vs the target's argmax and chain_tau
+(``--split train``: the same on training sequences, to see how much of it is memorisation).
 
 The numbers in a drafter's card come from its own run's held-out split; comparing two drafters
 trained on different data needs one split for both. This uses ``--data``'s ``val`` rows (the split
@@ -37,16 +38,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seqs-per-step", type=int, default=8)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--split", choices=("val", "train"), default="val",
+                   help="train: the last --eval-seqs TRAINING sequences per domain instead (how "
+                        "far a drafter fits what it was trained on: the gap to val is "
+                        "memorisation)")
     p.add_argument("--out", default=None, help="JSON of the results")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = resolve_dtype(a.dtype, "cpu")
     tgt = load_target(None, dtype.dtype, "cpu", max_seq_len=a.max_len + 8)
-    val, held_out = _val_by_domain(load_rows(a.data, "train"), load_rows(a.data, "val"),
-                                   a.eval_seqs)
-    if not held_out:
-        raise SystemExit(f"{a.data} has no held-out rows")
+    train_rows = load_rows(a.data, "train")
+    if a.split == "train":
+        val, _ = _val_by_domain(train_rows, [], a.eval_seqs)
+    else:
+        val, held_out = _val_by_domain(train_rows, load_rows(a.data, "val"), a.eval_seqs)
+        if not held_out:
+            raise SystemExit(f"{a.data} has no held-out rows")
     students, names = [], []
     for spec in a.drafters:
         name, _, path = spec.partition("=")
@@ -59,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     cache = tgt.model.new_cache(a.seqs_per_step, a.max_len + 8)
     t2d = torch.zeros(1)  # non-None: each drafter maps its predictions through its own d2t
     evs = evaluate_domains(students, tgt.model, cache, val, t2d, dtype.dtype)
-    out = {"data": a.data, "dtype": dtype.to_dict(),
-           "held_out_seqs": {k: len(v) for k, v in val.items()},
+    out = {"data": a.data, "split": a.split, "dtype": dtype.to_dict(),
+           ("held_out_seqs" if a.split == "val" else "train_seqs"):
+               {k: len(v) for k, v in val.items()},
            "drafters": {n: {"path": s.split("=", 1)[1], **ev}
                         for n, s, ev in zip(names, a.drafters, evs, strict=True)}}
     for n, ev in zip(names, evs, strict=True):

@@ -155,6 +155,10 @@ def train_cli(argv: list[str] | None = None) -> int:
                    help="with --resume ... --lr-schedule fresh: re-choose the draft vocabulary "
                         "(--draft-vocab tokens) from this data; shared tokens keep their trained "
                         "head rows, new ones start from the target's")
+    p.add_argument("--mlp-width", type=int, default=None,
+                   help="dart/eagle: units of the drafter layer's MLP (default: the target's); "
+                        "with --resume ... --lr-schedule fresh a narrower drafter is grown to it, "
+                        "its function kept (new units' down-projection starts at zero)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-seqs", type=int, default=48,
                    help="held-out sequences evaluated per domain (chat, code, text)")
@@ -167,6 +171,14 @@ def train_cli(argv: list[str] | None = None) -> int:
                         "(checkpoint, final evaluation, drafter); rerun the same command to "
                         "continue as if uninterrupted")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--teacher-cache-gb", type=float, default=4.0,
+                   help="memory for the teacher's per-sequence outputs, so epochs after the first "
+                        "skip the target forward (~3.7 KB per token for SmolLM2-135M in bf16); 0 = "
+                        "recompute every step")
+    p.add_argument("--teacher-cache", default=None,
+                   help="directory keeping those outputs across runs (appended at each "
+                        "checkpoint): restarts, later sittings and other runs on the same "
+                        "sequences skip their teacher passes")
     p.add_argument("--device", default="cpu",
                    help="torch device of the teacher and students (cpu, cuda); a run may restart "
                         "on another device")
@@ -203,10 +215,11 @@ def train_cli(argv: list[str] | None = None) -> int:
                           draft_vocab=a.draft_vocab, eval_every=a.eval_every, eval_seqs=a.eval_seqs,
                           eval_data=a.eval_data,
                           ckpt_every=a.ckpt_every, time_budget_s=a.time_budget, threads=a.threads,
+                          teacher_cache_gb=a.teacher_cache_gb, teacher_cache=a.teacher_cache,
                           device=a.device, dtype=a.dtype, seed=a.seed, resume=a.resume,
                           lr_schedule=a.lr_schedule,
                           init_from_target=a.init_from_target, init_layer=a.init_layer,
-                          revocab=a.revocab)
+                          revocab=a.revocab, mlp_width=a.mlp_width)
     except ValueError as e:
         p.error(str(e))
     summary = train(cfg)

@@ -95,6 +95,9 @@ class Objective:
     """Accepts ``init_from_target`` (its layer can start as a copy of a target layer)."""
     revocabs: bool = False
     """Accepts ``revocab`` (one own head ``head.weight`` over the draft vocabulary ``d2t``)."""
+    sizes_mlp: bool = False
+    """Accepts ``mlp_width`` (one llama MLP ``mlp.gate_up`` / ``mlp.down``; a resumed one can grow,
+    :func:`grow_mlp`)."""
 
     def build(self, cfg: TrainConfig, tgt, d2t: torch.Tensor | None, new: bool) -> torch.nn.Module:
         """The network of ``cfg`` for the loaded target ``tgt`` (float32). ``new``: its weights are
@@ -145,12 +148,14 @@ class DartObjective(Objective):
     needs_draft_vocab = False
     inits_from_target_layer = True
     revocabs = True
+    sizes_mlp = True
 
     def build(self, cfg, tgt, d2t, new):
         args, target = tgt.args, tgt.model
         dcfg = DartConfig.for_target(args, tgt.model_id, depth=cfg.depth, arch=self.name,
                                      draft_vocab=cfg.draft_vocab or None,
-                                     tie_head=not cfg.draft_vocab)
+                                     tie_head=not cfg.draft_vocab,
+                                     intermediate_size=cfg.mlp_width or args.intermediate_size)
         model = DartModel(dcfg).init_random(cfg.seed)
         if d2t is not None:
             with torch.no_grad():
@@ -534,6 +539,28 @@ def kl_loss(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, valid: tor
     per_level = (ce * valid).sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)
     return (per_level * w).sum() / w.sum(), per_level.detach()
 
+
+
+@torch.no_grad()
+def grow_mlp(state: dict[str, torch.Tensor], width: int, seed: int) -> dict[str, torch.Tensor]:
+    """A dart/eagle drafter's weights with its MLP widened to ``width`` units, its function kept.
+
+    ``mlp.gate_up.weight`` [2I, H] is [gate; up]: each half gets ``width - I`` new rows
+    (N(0, 0.02), as a new drafter's); ``mlp.down.weight`` [H, I] gets zero columns for them, so the
+    layer's output is unchanged until training moves them (the down columns get gradients at once:
+    the new units' activations are non-zero). Every other tensor is passed through.
+    """
+    gate_up, down = state["mlp.gate_up.weight"], state["mlp.down.weight"]
+    hidden, units = down.shape
+    if width < units:
+        raise ValueError(f"mlp_width {width} is narrower than the resumed drafter's MLP ({units})")
+    g = torch.Generator().manual_seed(seed)
+    new = (torch.randn(2, width - units, hidden, generator=g) * 0.02).to(gate_up.dtype)
+    gate, up = gate_up.chunk(2, dim=0)
+    out = dict(state)
+    out["mlp.gate_up.weight"] = torch.cat([gate, new[0], up, new[1]], dim=0)
+    out["mlp.down.weight"] = torch.cat([down, down.new_zeros(hidden, width - units)], dim=1)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

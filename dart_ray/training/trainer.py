@@ -9,7 +9,8 @@ Every step:
 batch       the next batch of the seeded stream (a fresh permutation each epoch; truncated to
             max_len)
 teacher     one target forward over the right-padded batch: the taps every student reads and the
-            target's top-K next-token distributions (shared; its time is split evenly)
+            target's top-K next-token distributions (shared; its time is split evenly); after
+            the first epoch read from memory instead (teacher_cache.py)
 update      per student, through its Objective (objectives.py): level targets from the teacher's
             top-K, level logits [B, L-1, d, Vd] (bf16 autocast when the run's dtype is bf16), the
             gamma-weighted forward KL, clipped gradients, one AdamW step at the LR plan's rate
@@ -61,12 +62,14 @@ from dart_ray.training.checkpoint import (
 from dart_ray.training.metrics import MetricsLog, evaluate_domains, plot_metrics
 from dart_ray.training.objectives import (
     get_objective,
+    grow_mlp,
     objective_names,
     pad_batch,
     select_taps,
     student_autocast,
     teacher_pass,
 )
+from dart_ray.training.teacher_cache import TeacherCache, seq_key, teacher_fields
 from dart_ray.training.vocab import choose_draft_vocab, coverage, revocab_head, target_to_draft
 
 ARCHS = objective_names()
@@ -113,6 +116,15 @@ class TrainConfig:
     max_len: int = 320
     """Sequences are truncated to this many tokens."""
     teacher_topk: int = 32
+    teacher_cache_gb: float = 4.0
+    """Memory for the teacher's outputs per training sequence (taps, top-K), so that later epochs
+    skip the target forward (:mod:`dart_ray.training.teacher_cache`; ~3.7 KB per token for
+    SmolLM2-135M in bf16). 0 = recompute every step. Without ``teacher_cache``, a run continued
+    past an epoch boundary equals the uninterrupted one to rounding, not bit for bit."""
+    teacher_cache: str | None = None
+    """Directory that keeps those outputs across runs (appended at every checkpoint, read at start;
+    a subdirectory per teacher): restarts, later sittings and other experiments on the same
+    sequences skip their teacher passes, and continuation is bit-identical again."""
     draft_vocab: int = 8192
     """Size of the reduced draft vocabulary (most frequent tokens of the data); 0 = full tied
     head."""
@@ -148,6 +160,11 @@ class TrainConfig:
     random. The head always starts as the target's head rows of the draft vocabulary."""
     init_layer: int | None = None
     """Target layer for ``init_from_target`` (default: the last tapped layer)."""
+    mlp_width: int | None = None
+    """dart/eagle: units of the drafter layer's MLP (intermediate size); None = the target's. With
+    ``resume`` (``lr_schedule="fresh"``) from a narrower drafter, it is grown to this width with its
+    function kept (new units' down-projection starts at zero: :func:`~dart_ray.training.objectives.
+    grow_mlp`)."""
     revocab: bool = False
     """With ``resume`` and ``lr_schedule="fresh"`` (an objective that ``revocabs``: dart, eagle):
     choose a new draft vocabulary of ``draft_vocab`` tokens from this data's answers instead of
@@ -180,6 +197,14 @@ class TrainConfig:
             raise ValueError("gamma must be in (0, 1]")
         if self.seqs_per_step < 1 or self.max_len < 8:
             raise ValueError("seqs_per_step >= 1 and max_len >= 8 required")
+        if self.mlp_width is not None and self.init_from_target:
+            raise ValueError("init_from_target copies a target layer, MLP width included; "
+                             "mlp_width applies to a resumed drafter (grown) or a random one")
+        if self.teacher_cache is not None and not self.teacher_cache_gb:
+            raise ValueError("teacher_cache (a directory) needs teacher_cache_gb > 0")
+        if not self.teacher_cache_gb >= 0:
+            raise ValueError("teacher_cache_gb must be >= 0 (0 = off), got "
+                             f"{self.teacher_cache_gb}")
         if self.resume is not None and self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"resuming from {self.resume} needs an explicit LR schedule choice: "
                              "lr_schedule 'continue' (the source's plan goes on) or 'fresh' (new "
@@ -195,6 +220,11 @@ class TrainConfig:
         if self.init_from_target and self.resume is not None:
             raise ValueError("init_from_target initialises a new drafter; a resumed one has its "
                              "weights")
+        if self.mlp_width is not None and (self.mlp_width < 1 or not objective.sizes_mlp
+                                           or self.joint):
+            able = [a for a in objective_names() if get_objective(a).sizes_mlp]
+            raise ValueError(f"mlp_width sizes the MLP of one drafter of {able} (>= 1 units, no "
+                             f"joint students), got {self.mlp_width} for {self.arch!r}")
         if self.revocab and (self.resume is None or self.lr_schedule != "fresh" or self.joint
                              or not objective.revocabs or not self.draft_vocab):
             able = [a for a in objective_names() if get_objective(a).revocabs]
@@ -206,10 +236,18 @@ class TrainConfig:
 
 LR_SCHEDULES = ("continue", "fresh")
 RESTART_FREE = ("out", "time_budget_s", "eval_every", "ckpt_every", "eval_seqs", "eval_data",
-                "threads", "data", "dtype", "device")
+                "threads", "data", "dtype", "device", "teacher_cache_gb", "teacher_cache")
 """TrainConfig fields a restarted run may change (they fix neither the plan nor the data order;
 the data is identified by its fingerprint, not its path; a run moved to a machine where ``auto``
 resolves otherwise continues, in the other dtype)."""
+
+
+def _field_defaults() -> dict:
+    """TrainConfig's defaults as :func:`run_key` writes values (what a checkpoint written before a
+    field existed ran with)."""
+    return {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+            for f in dataclasses.fields(TrainConfig)
+            if f.default is not dataclasses.MISSING and f.name not in RESTART_FREE}
 
 
 def run_key(cfg: TrainConfig, data_key: str) -> dict:
@@ -224,18 +262,19 @@ def run_key(cfg: TrainConfig, data_key: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # the loop
 # ---------------------------------------------------------------------------------------------
-def _batches(seqs, n: int, max_len: int, rng: torch.Generator):
-    order = torch.randperm(len(seqs), generator=rng).tolist()
+def _batches(n_seqs: int, n: int, rng: torch.Generator):
+    order = torch.randperm(n_seqs, generator=rng).tolist()
     for i in range(0, len(order) - n + 1, n):
-        yield [seqs[k][0][:max_len] for k in order[i:i + n]]
+        yield order[i:i + n]
 
 
-def _batch_stream(seqs, n: int, max_len: int, seed: int, skip: int = 0):
-    """Batches epoch after epoch (a fresh seeded permutation each), after the first ``skip``: a run
-    resumed at step s sees exactly the batches an uninterrupted run sees from step s on."""
+def _batch_stream(n_seqs: int, n: int, seed: int, skip: int = 0):
+    """Batches of sequence indices epoch after epoch (a fresh seeded permutation of
+    ``range(n_seqs)`` each), after the first ``skip``: a run resumed at step s sees exactly the
+    batches an uninterrupted run sees from step s on."""
     rng = torch.Generator().manual_seed(seed)
     while True:
-        for batch in _batches(seqs, n, max_len, rng):
+        for batch in _batches(n_seqs, n, rng):
             if skip > 0:
                 skip -= 1
                 continue
@@ -261,8 +300,8 @@ class _Student:
                 self.model.load_state_dict(source.state["model"])
             except RuntimeError as e:
                 raise ValueError(f"{source.path} does not fit a {cfg.arch} drafter of depth "
-                                 f"{cfg.depth}, draft vocab {cfg.draft_vocab} for this target: "
-                                 f"{e}") from e
+                                 f"{cfg.depth}, draft vocab {cfg.draft_vocab}, MLP width "
+                                 f"{cfg.mlp_width or 'of the target'} for this target: {e}") from e
         self.model.to(self.device)
         self.taps = self.objective.taps(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -415,6 +454,23 @@ def _revocab_source(src: Source, d2t: torch.Tensor, target_head: torch.Tensor, s
     return dataclasses.replace(src, state={**src.state, "model": model, "config": config})
 
 
+def _grow_source(src: Source, cfg: TrainConfig) -> Source:
+    """``src`` with its MLP grown to ``cfg.mlp_width`` (unchanged when it already has it)."""
+    width = src.state["model"]["mlp.down.weight"].shape[1]
+    if width == cfg.mlp_width:
+        return src
+    if cfg.mlp_width < width:
+        raise ValueError(f"mlp_width {cfg.mlp_width} is narrower than {src.path}'s MLP ({width} "
+                         "units): a drafter grows, it is never cut")
+    if src.kind == "checkpoint" and cfg.lr_schedule != "fresh":
+        raise ValueError(f"growing {src.path}'s MLP ({width} -> {cfg.mlp_width} units) needs "
+                         "--lr-schedule fresh: its optimizer moments have the old shapes")
+    print(f"mlp: {width} -> {cfg.mlp_width} units (new down-projection columns start at zero)")
+    model = grow_mlp(src.state["model"], cfg.mlp_width, cfg.seed)
+    config = {**(src.state.get("config") or {}), "intermediate_size": cfg.mlp_width}
+    return dataclasses.replace(src, state={**src.state, "model": model, "config": config})
+
+
 def _start_sources(cfg: TrainConfig, dirs: dict[str, Path]) -> dict[str, Source]:
     """Where each student starts: its own checkpoint (restart), ``cfg.resume``, or new."""
     from dart_ray.training.checkpoint import STATE_FILE, find_resume, load_state
@@ -488,10 +544,13 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     data_key = data_fingerprint(train_seqs, cfg.seqs_per_step, cfg.max_len, cfg.seed)
     key = run_key(cfg, data_key)
     for arch, src in sources.items():
-        if src.kind == "restart" and src.state["run_key"] != key:
-            old = src.state["run_key"]
-            diff = {k: (old.get(k), key.get(k)) for k in sorted(set(old) | set(key))
-                    if old.get(k) != key.get(k)}
+        if src.kind != "restart":
+            continue
+        # a setting added after the checkpoint was written reads as its default there
+        old = {**_field_defaults(), **src.state["run_key"]}
+        diff = {k: (old.get(k), key.get(k)) for k in sorted(set(old) | set(key))
+                if old.get(k) != key.get(k)}
+        if diff:
             raise ValueError(f"{src.path} belongs to a run with other settings {diff} (old, now); "
                              "restarting it with these would silently re-plan it. Rerun with the "
                              "old settings to continue it, or start a new --out with --resume "
@@ -503,6 +562,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     # draft vocabulary: a started drafter keeps its own (unless --revocab re-chooses it); a new one
     # takes the most frequent tokens of the data's answers
     t2d = d2t = None
+    if cfg.mlp_width and sources[cfg.arch].kind in ("checkpoint", "drafter"):
+        sources[cfg.arch] = _grow_source(sources[cfg.arch], cfg)
     if cfg.revocab and sources[cfg.arch].kind in ("checkpoint", "drafter"):
         sources[cfg.arch] = _revocab_source(
             sources[cfg.arch], choose_draft_vocab(train_seqs, cfg.draft_vocab, args.vocab_size),
@@ -547,15 +608,27 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         bar = tqdm(total=end, initial=step, desc="train-drafter " + ",".join(archs), unit="step")
     t_start = time.perf_counter()
     tokens_seen = 0
-    batches = _batch_stream(train_seqs, cfg.seqs_per_step, cfg.max_len, cfg.seed, skip=data_pos)
+    batches = _batch_stream(len(train_seqs), cfg.seqs_per_step, cfg.seed, skip=data_pos)
+    seq_keys = [seq_key(ids[:cfg.max_len]) for ids, _ in train_seqs]
+    teacher = TeacherCache(int(cfg.teacher_cache_gb * 2**30), target.embed.weight.dtype,
+                           cfg.teacher_cache, key=teacher_fields(tgt, dtype.dtype, tap_order,
+                                                                 cfg.teacher_topk, dev),
+                           wanted=set(seq_keys))
+    if teacher.loaded:
+        print(f"teacher cache: {teacher.loaded} of this run's {len(set(seq_keys))} sequences read "
+              f"from {teacher.dir} ({teacher.bytes / 2**30:.2f} GiB)")
     stop_reason = "plan complete"
     with _StopRequest() as stop:
         while step < end:
-            batch = next(batches)
-            tokens, lens = pad_batch(batch, dev)
+            idx = next(batches)
+            tokens, lens = pad_batch([train_seqs[k][0][:cfg.max_len] for k in idx], dev)
             t0 = time.perf_counter()
-            taps, top_id, top_lp = teacher_pass(target, cache, tokens, lens, tap_order,
-                                                cfg.teacher_topk)
+            keys = [seq_keys[k] for k in idx]
+            outs = teacher.lookup(keys, lens, dev)
+            if outs is None:
+                outs = teacher_pass(target, cache, tokens, lens, tap_order, cfg.teacher_topk)
+                teacher.store(keys, lens, *outs)
+            taps, top_id, top_lp = outs
             synchronize(dev)
             # the shared teacher pass, split evenly
             teacher_s = (time.perf_counter() - t0) / len(students)
@@ -571,7 +644,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(**{k: f"{v:.3f}" for k, v in losses.items()},
-                                tok_s=f"{tokens_seen / (time.perf_counter() - t_start):.0f}")
+                                tok_s=f"{tokens_seen / (time.perf_counter() - t_start):.0f}",
+                                cached=teacher.hits)
             out_of_time = (bool(cfg.time_budget_s)
                            and time.perf_counter() - t_start >= cfg.time_budget_s)
             if step % cfg.eval_every == 0 or step == end:
@@ -582,6 +656,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
                         f"{e['chain_tau']:.2f}"
                         for dom, e in ev.items()))
             if step % cfg.ckpt_every == 0 or step >= end or out_of_time or stop.requested:
+                teacher.save()
                 for st in students:
                     st.save_checkpoint(data_pos)
             if out_of_time or stop.requested:

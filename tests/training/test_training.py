@@ -4,6 +4,7 @@ tensors; tiny end-to-end runs of the loop with resume."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -339,12 +340,184 @@ def test_batch_stream_resume_replays_across_epochs():
 
     from dart_ray.training.trainer import _batch_stream
 
-    seqs = [([i] * 5, "code") for i in range(7)]          # 3 batches of 2 per epoch
-    full = list(islice(_batch_stream(seqs, 2, 4, seed=3), 8))
-    resumed = list(islice(_batch_stream(seqs, 2, 4, seed=3, skip=5), 3))
+    full = list(islice(_batch_stream(7, 2, seed=3), 8))   # 3 batches of 2 per epoch
+    resumed = list(islice(_batch_stream(7, 2, seed=3, skip=5), 3))
     assert resumed == full[5:8]
     assert full[:3] != full[3:6]                           # each epoch draws a new permutation
-    assert all(len(s) == 4 for b in full for s in b)       # truncated to max_len
+    assert all(len(set(sum(full[e:e + 3], []))) == 6 for e in (0, 3))  # no index twice an epoch
+
+
+def test_teacher_cache_rebuilds_batches_exactly():
+    """Stored rows come back as teacher_pass gave them (real positions; taps in the teacher's dtype
+    losslessly), in any batch composition, padding zeroed; a batch with one uncached row is a miss;
+    the byte budget is kept."""
+    from dart_ray.training.teacher_cache import TeacherCache
+
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 3, 4]
+    taps = torch.randn(3, 5, 6, generator=g).bfloat16().float()         # computed in bf16
+    top_id = torch.randint(0, 50, (3, 5, 2), generator=g)
+    top_lp = torch.randn(3, 5, 2, generator=g)
+    tc = TeacherCache(10**6, torch.bfloat16)
+    assert tc.lookup([0, 1], lens[:2], torch.device("cpu")) is None and tc.misses == 1
+    tc.store([10, 11, 12], lens, taps, top_id, top_lp)
+    got = tc.lookup([12, 10], [4, 5], torch.device("cpu"))
+    assert got is not None and tc.hits == 1
+    t, i, lp = got
+    assert t.shape == (2, 5, 6) and i.shape == (2, 5, 2) and i.dtype == torch.long
+    assert torch.equal(t[0, :4], taps[2, :4]) and torch.equal(t[1], taps[0])
+    assert torch.equal(i[0, :4], top_id[2, :4]) and torch.equal(lp[1], top_lp[0])
+    assert not t[0, 4:].any() and not i[0, 4:].any() and not lp[0, 4:].any()
+    assert tc.lookup([12, 13], [4, 4], torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="positions"):
+        tc.lookup([11], [5], torch.device("cpu"))
+    small = TeacherCache(5 * 6 * 2 + 5 * 2 * 8, torch.bfloat16)          # room for row 0 only
+    small.store([0, 1], lens[:2], taps[:2], top_id[:2], top_lp[:2])
+    assert len(small) == 1 and small.bytes == 5 * 6 * 2 + 5 * 2 * 8
+    none = TeacherCache(10**6, torch.float32)
+    none.store([0], [5], None, top_id[:1], top_lp[:1])
+    assert none.lookup([0], [5], torch.device("cpu"))[0] is None
+
+
+def test_teacher_cache_directory_round_trip(tmp_path):
+    """Saved parts come back in a new cache of the same teacher (only the unsaved entries are
+    appended each save); another teacher's key reads nothing."""
+    from dart_ray.training.teacher_cache import TeacherCache, seq_key
+
+    g = torch.Generator().manual_seed(1)
+    key = {"target": "t", "dtype": "bf16", "taps": [1, 2], "topk": 2}
+    taps = torch.randn(2, 4, 6, generator=g).bfloat16().float()
+    top_id, top_lp = torch.randint(0, 50, (2, 4, 2), generator=g), torch.randn(2, 4, 2, generator=g)
+    a = TeacherCache(10**6, torch.bfloat16, tmp_path, key=key)
+    ka, kb = seq_key([1, 2, 3, 4]), seq_key([1, 2, 3, 5])
+    assert ka != kb and seq_key([1, 2, 3, 4]) == ka
+    a.store([ka], [4], taps[:1], top_id[:1], top_lp[:1])
+    a.save()
+    a.store([ka, kb], [4, 3], taps, top_id, top_lp)
+    a.save()
+    a.save()                                                  # nothing new: no empty part
+    parts = sorted(a.dir.glob("part-*.pt"))
+    assert len(parts) == 2 and len(torch.load(parts[1], weights_only=True)) == 1
+    b = TeacherCache(10**6, torch.bfloat16, tmp_path, key=key)
+    assert b.loaded == 2 and b.dir == a.dir
+    got = b.lookup([kb, ka], [3, 4], torch.device("cpu"))
+    want = a.lookup([kb, ka], [3, 4], torch.device("cpu"))
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    other = TeacherCache(10**6, torch.bfloat16, tmp_path, key={**key, "dtype": "fp32"})
+    assert other.loaded == 0 and other.dir != a.dir
+
+
+def test_teacher_cache_directory_serves_a_later_run(tmp_path, tiny_dirs, tiny_mixed_data,
+                                                    monkeypatch):
+    """A second run on the same data with the first one's --teacher-cache makes no teacher pass at
+    all and trains exactly as the first did."""
+    from dart_ray.training import trainer
+
+    calls = []
+    real = trainer.teacher_pass
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(trainer, "teacher_pass", counting)
+    kw = {"max_steps": None, "epochs": 2.0, "dtype": "fp32",
+          "teacher_cache": str(tmp_path / "teacher")}
+    first = trainer.train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "a"), **kw),
+                          progress=False)
+    assert calls
+    calls.clear()
+    again = trainer.train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "b"), **kw),
+                          progress=False)
+    assert not calls
+    assert again["losses"] == first["losses"]
+    with pytest.raises(ValueError, match="teacher_cache_gb"):
+        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "x"), teacher_cache_gb=0,
+                  teacher_cache=str(tmp_path / "t"))
+
+
+def test_teacher_cache_directory_keeps_continuation_bit_identical(tmp_path, tiny_dirs,
+                                                                  tiny_mixed_data):
+    """Stopped at step 1 and continued across the epoch boundary, a run with --teacher-cache ends
+    bit-identical to the uninterrupted one (the continued run reads the entries computed before the
+    stop instead of recomputing them in other batches)."""
+    from dart_ray.training.trainer import train
+
+    kw = {"max_steps": None, "epochs": 2.0, "dtype": "bf16"}
+    a = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "a"),
+                        teacher_cache=str(tmp_path / "ta"), **kw), progress=False)
+    b1 = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "b"), time_budget_s=1e-9,
+                         teacher_cache=str(tmp_path / "tb"), **kw), progress=False)
+    assert b1["steps"] == 1
+    b = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "b"),
+                        teacher_cache=str(tmp_path / "tb"), **kw), progress=False)
+    assert b["steps"] == a["steps"] > b["train_seqs"] // 2
+    assert a["losses"] == b["losses"]
+    ref, got = _state(tmp_path / "a"), _state(tmp_path / "b")
+    for k, v in ref["model"].items():
+        assert torch.equal(v, got["model"][k]), k
+
+
+def test_a_checkpoint_from_before_a_new_setting_still_restarts(tmp_path, tiny_dirs,
+                                                               tiny_mixed_data):
+    """A run key written before a TrainConfig field existed reads that field as its default, so the
+    run restarts (a real change of a plan-fixing setting is still refused)."""
+    from dart_ray.training.trainer import train
+
+    cfg = _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "r"), time_budget_s=1e-9)
+    train(cfg, progress=False)
+    path = tmp_path / "r" / "checkpoint" / "state.pt"
+    st = torch.load(path, weights_only=False)
+    del st["run_key"]["mlp_width"]
+    torch.save(st, path)
+    assert train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "r")),
+                 progress=False)["steps"] == 4
+    with pytest.raises(ValueError, match="other settings"):
+        train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "r"), lr=1e-2),
+              progress=False)
+
+
+def _epochs(n_seqs, per_epoch):
+    from itertools import islice
+
+    from dart_ray.training.trainer import _batch_stream
+
+    batches = list(islice(_batch_stream(n_seqs, 2, seed=0), 2 * per_epoch))
+    return batches[:per_epoch], batches[per_epoch:]
+
+
+def test_teacher_cache_skips_the_target_after_the_first_epoch(tmp_path, tiny_dirs, tiny_mixed_data,
+                                                              monkeypatch):
+    """Two epochs with the cache: teacher passes in the first only, and the run trains as the
+    uncached one does (equal to rounding: here fp32, the same numbers)."""
+    from dart_ray.training import trainer
+
+    calls = []
+    real = trainer.teacher_pass
+
+    def counting(*a, **k):
+        calls.append(a[2].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(trainer, "teacher_pass", counting)
+    kw = {"max_steps": None, "epochs": 2.0, "dtype": "fp32"}
+    cached = trainer.train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "c"), **kw),
+                           progress=False)
+    n_cached = len(calls)
+    plain = trainer.train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "p"),
+                                    teacher_cache_gb=0, **kw), progress=False)
+    per_epoch = cached["train_seqs"] // 2
+    assert cached["steps"] == plain["steps"] == 2 * per_epoch
+    # the second epoch needs the teacher only for batches holding a sequence the first one left out
+    # (an odd count leaves one out each epoch)
+    first, second = _epochs(cached["train_seqs"], per_epoch)
+    seen = set(sum(first, []))
+    fresh = sum(any(i not in seen for i in b) for b in second)
+    assert fresh < per_epoch
+    assert n_cached == per_epoch + fresh and len(calls) - n_cached == 2 * per_epoch
+    assert cached["losses"] == pytest.approx(plain["losses"], rel=1e-4, abs=1e-5)
+    with pytest.raises(ValueError, match="teacher_cache_gb"):
+        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "x"), teacher_cache_gb=-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,6 +697,85 @@ def test_revocab_resume_re_chooses_the_vocabulary(tmp_path, tiny, tiny_dirs, tin
     rows = torch.tensor([where[int(t)] for t in want[shared]])
     assert torch.equal(got.head.weight[shared], src.head.weight[rows])
     assert torch.equal(got.fc.weight, src.fc.weight)
+
+
+def test_mlp_growth_keeps_the_drafter_and_trains_from_it(tmp_path, tiny, tiny_dirs,
+                                                        tiny_mixed_data):
+    """--mlp-width on a resumed drafter: the grown drafter computes what the source computed (its
+    first loss equals an ungrown resume's), old units are kept bf16-exact, the shipped drafter has
+    the new width; a narrower width, medusa, or a continued schedule are refused."""
+    from dart_ray.training.trainer import train
+
+    cfg = DartConfig.for_target(tiny.args, tiny.model_id, depth=3, draft_vocab=256, tie_head=False)
+    shipped = DartModel(cfg).init_random(7)
+    shipped.d2t.copy_(torch.arange(256))
+    shipped.to(torch.bfloat16).save(tmp_path / "shipped")
+    src = DartModel.load(tmp_path / "shipped")
+    units = cfg.intermediate_size
+    kw = {"resume": str(tmp_path / "shipped"), "lr_schedule": "fresh", "max_steps": 1,
+          "dtype": "fp32"}
+    plain = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "p"), **kw),
+                  progress=False)
+    grown = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "g"),
+                            mlp_width=units + 24, **kw), progress=False)
+    assert grown["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-5)
+    got = DartModel.load(tmp_path / "g" / "drafter")
+    assert got.cfg.intermediate_size == units + 24
+    assert got.mlp.down.weight.shape == (cfg.target_hidden, units + 24)
+    assert got.mlp.down.weight[:, units:].abs().sum() > 0     # the new units train at once
+    still = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "s"),
+                            mlp_width=units + 24, **{**kw, "lr": 0.0}), progress=False)
+    assert still["steps"] == 1
+    kept = DartModel.load(tmp_path / "s" / "drafter")
+    gate, up = kept.mlp.gate_up.weight.chunk(2)
+    assert torch.equal(gate[:units], src.mlp.gate_up.weight[:units])
+    assert torch.equal(up[:units], src.mlp.gate_up.weight[units:])
+    assert torch.equal(kept.mlp.down.weight[:, :units], src.mlp.down.weight)
+    assert not kept.mlp.down.weight[:, units:].any()
+    # a grown run stopped early restarts from its own checkpoint at the grown width
+    stop = _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "r"), mlp_width=units + 24,
+                     **{**kw, "max_steps": 3})
+    assert train(dataclasses.replace(stop, time_budget_s=1e-9), progress=False)["steps"] == 1
+    assert train(stop, progress=False)["steps"] == 3
+    assert DartModel.load(tmp_path / "r" / "drafter").cfg.intermediate_size == units + 24
+    with pytest.raises(ValueError, match="narrower"):
+        train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "n"), mlp_width=units - 8,
+                        **kw), progress=False)
+    with pytest.raises(ValueError, match="mlp_width"):
+        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "m"), arch="medusa",
+                  mlp_width=units + 8)
+    with pytest.raises(ValueError, match="mlp_width"):
+        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "m"), init_from_target=True,
+                  mlp_width=units + 8)
+    train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "c1"), max_steps=1,
+                    dtype="fp32"), progress=False)
+    with pytest.raises(ValueError, match="lr-schedule fresh"):
+        train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "c2"),
+                        resume=str(tmp_path / "c1"), lr_schedule="continue",
+                        mlp_width=units + 8), progress=False)
+
+
+def test_grow_mlp_keeps_the_layer_function():
+    """The widened MLP computes what the narrow one did (zero down columns: to rounding)."""
+    from dart_ray.models.args import ModelArgs
+    from dart_ray.models.llama import MLP
+    from dart_ray.training.objectives import grow_mlp
+
+    def args(units):
+        return ModelArgs(model_type="llama", vocab_size=10, hidden_size=16,
+                         intermediate_size=units, num_layers=1, num_heads=2, num_kv_heads=1,
+                         head_dim=8)
+
+    torch.manual_seed(0)
+    narrow, wide = MLP(args(24)), MLP(args(40))
+    state = {"mlp." + k: v for k, v in narrow.state_dict().items()}
+    grown = grow_mlp(state, 40, seed=1)
+    wide.load_state_dict({k.removeprefix("mlp."): v for k, v in grown.items()})
+    x = torch.randn(3, 5, 16)
+    torch.testing.assert_close(wide(x), narrow(x), rtol=0, atol=1e-6)   # summation order only
+    assert torch.equal(grown["mlp.gate_up.weight"][:24], state["mlp.gate_up.weight"][:24])
+    assert torch.equal(grown["mlp.gate_up.weight"][40:64], state["mlp.gate_up.weight"][24:])
+    assert grown["mlp.gate_up.weight"][24:40].abs().sum() > 0
 
 
 def test_train_cli_resume_needs_an_explicit_schedule(tmp_path, capsys):
