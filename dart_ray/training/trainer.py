@@ -9,8 +9,9 @@ Every step:
 batch       the next batch of the seeded stream (a fresh permutation each epoch; truncated to
             max_len)
 teacher     one target forward over the right-padded batch: the taps every student reads and the
-            target's top-K next-token distributions (shared; its time is split evenly); after
-            the first epoch read from memory instead (teacher_cache.py)
+            target's top-K next-token distributions (shared; its time is split evenly); read
+            from the teacher cache instead once computed (teacher_cache.py: later epochs, or a
+            --teacher-cache directory from earlier runs)
 update      per student, through its Objective (objectives.py): level targets from the teacher's
             top-K, level logits [B, L-1, d, Vd] (bf16 autocast when the run's dtype is bf16), the
             gamma-weighted forward KL, clipped gradients, one AdamW step at the LR plan's rate
