@@ -158,6 +158,11 @@ heldout-code: setup
 # experiment's drafter (fresh warmup + cosine) on v4's answered shards + those code answers (no stdlib text: it
 # did not move code answers and costs chat; heldout-v4-v5.json), then shipped.
 V6 ?= $(RUNS)/v6
+# the train-drafter flags every sitting from v6 on shares: DART depth 8 resumed with a fresh warmup + cosine plan
+# over at most --max-steps, 8 x 320 tokens per step, scored on 96 held-out sequences per domain plus the held-out
+# code answers
+SITTING_TRAIN = --arch dart:8 --lr-schedule fresh --epochs 100 --warmup 20 --seqs-per-step 8 --max-len 320 \
+  --threads 2 --eval-seqs 96 --eval-data $(HELDOUT)/code
 V6_STEPS ?= 800
 V6_BUDGET_S ?= 5100
 drafter-v6: setup heldout-code
@@ -166,10 +171,8 @@ drafter-v6: setup heldout-code
 	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(V6)/code --n-code 800 --n-chat 0 --only-split train \
 	  --exclude-data $(V4)/data --max-new-tokens 256 --batch-size 64 --shard-size 256 --threads 2 --method none --seed 6
 	mkdir -p $(V6)/data && ln -sf $(abspath $(V4))/data/shard-*.parquet $(V6)/data/
-	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(V6)/data,$(V6)/code --out $(V6)/drafter --arch dart:8 \
-	  --resume $(V5)/drafter --lr-schedule fresh --max-steps $(V6_STEPS) --epochs 100 --lr 3e-4 --warmup 20 \
-	  --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 250 --eval-seqs 96 --time-budget $(V6_BUDGET_S) \
-	  --eval-data $(HELDOUT)/code
+	$(FAST_ENV) $(BIN)/dart-ray train-drafter $(SITTING_TRAIN) --data $(V6)/data,$(V6)/code --out $(V6)/drafter \
+	  --resume $(V5)/drafter --max-steps $(V6_STEPS) --lr 3e-4 --eval-every 250 --time-budget $(V6_BUDGET_S)
 
 # Issue 17, seventh sitting (an experiment, NOT shipped; docs/BENCHMARKS.md): the v6 drafter moved to a
 # 12,288-token draft vocabulary chosen from the answers it trains on (v6's 8,192, chosen by the first
@@ -182,16 +185,15 @@ V7_STEPS ?= 700
 V7_BUDGET_S ?= 4500
 drafter-v7: setup heldout-code
 	test -f $(V6)/drafter/checkpoint/state.pt || $(MAKE) drafter-v6
-	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(V6)/data,$(V6)/code --out $(V7)/drafter --arch dart:8 \
-	  --resume $(V6)/drafter --lr-schedule fresh --revocab --draft-vocab $(V7_VOCAB) --max-steps $(V7_STEPS) \
-	  --epochs 100 --lr 3e-4 --warmup 20 --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 175 \
-	  --eval-seqs 96 --time-budget $(V7_BUDGET_S) --eval-data $(HELDOUT)/code
+	$(FAST_ENV) $(BIN)/dart-ray train-drafter $(SITTING_TRAIN) --data $(V6)/data,$(V6)/code --out $(V7)/drafter \
+	  --resume $(V6)/drafter --revocab --draft-vocab $(V7_VOCAB) --max-steps $(V7_STEPS) --lr 3e-4 \
+	  --eval-every 175 --time-budget $(V7_BUDGET_S)
 
 # Issue 17, eighth sitting (an experiment, NOT shipped; the same AMD EPYC Zen 4; docs/BENCHMARKS.md): v4's last
-# two prompt shards answered (V4_DATA_SHARDS=11), then the v6 drafter's MLP grown from the target's 1,536 units to V8_MLP (its function kept:
-# new down-projection columns start at zero) and trained on at a low fresh peak (v7's restart at 3e-4 cost depth),
-# with the teacher cache serving every epoch after the first. Held-out +0.3-0.4 points on level 1, not faster
-# end to end (the wider MLP drafts ~0.3 ms slower).
+# two prompt shards answered (V4_DATA_SHARDS=11), then the v6 drafter's MLP grown from the target's 1,536 units
+# to V8_MLP (its function kept: new down-projection columns start at zero) and trained on at a low fresh peak
+# (v7's restart at 3e-4 cost depth), with the teacher cache serving every epoch after the first. Held-out
+# +0.3-0.4 points on level 1, not faster end to end (the wider MLP drafts ~0.3 ms slower).
 V8 ?= $(RUNS)/v8
 V8_MLP ?= 2560
 V8_STEPS ?= 580
@@ -200,10 +202,9 @@ drafter-v8: setup heldout-code
 	test -f $(V6)/drafter/checkpoint/state.pt || $(MAKE) drafter-v6
 	$(MAKE) drafter-v4-data V4_DATA_SHARDS=11
 	mkdir -p $(V8)/data && ln -sf $(abspath $(V4))/data/shard-*.parquet $(V8)/data/
-	$(FAST_ENV) $(BIN)/dart-ray train-drafter --data $(V8)/data,$(V6)/code --out $(V8)/drafter --arch dart:8 \
-	  --resume $(V6)/drafter --lr-schedule fresh --mlp-width $(V8_MLP) --max-steps $(V8_STEPS) --epochs 100 \
-	  --lr 1.5e-4 --warmup 20 --seqs-per-step 8 --max-len 320 --threads 2 --eval-every 200 --eval-seqs 96 \
-	  --time-budget $(V8_BUDGET_S) --eval-data $(HELDOUT)/code
+	$(FAST_ENV) $(BIN)/dart-ray train-drafter $(SITTING_TRAIN) --data $(V8)/data,$(V6)/code --out $(V8)/drafter \
+	  --resume $(V6)/drafter --mlp-width $(V8_MLP) --max-steps $(V8_STEPS) --lr 1.5e-4 --eval-every 200 \
+	  --time-budget $(V8_BUDGET_S)
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup

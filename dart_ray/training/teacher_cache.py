@@ -40,6 +40,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def teacher_fields(tgt, dtype: str, taps: tuple[int, ...], topk: int, device: to
             "taps": list(taps), "topk": topk, "device": torch.device(device).type}
 
 
-def teacher_key(**fields) -> str:
+def teacher_key(fields: dict) -> str:
     """Directory name for a teacher's outputs: a digest of :func:`teacher_fields`."""
     return hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=8).hexdigest()
 
@@ -98,7 +99,7 @@ class TeacherCache:
         if directory is not None:
             if key is None:
                 raise ValueError("a persisted teacher cache needs the teacher's key")
-            self.dir = Path(directory) / teacher_key(**key)
+            self.dir = Path(directory) / teacher_key(key)
             self.dir.mkdir(parents=True, exist_ok=True)
             meta = self.dir / "teacher.json"
             if not meta.is_file():
@@ -118,22 +119,17 @@ class TeacherCache:
             self.misses += 1
             return None
         self.hits += 1
-        B, L = len(keys), max(lens)
-        K = rows[0][1].shape[-1]
-        taps = None
-        if rows[0][0] is not None:
-            taps = torch.zeros(B, L, rows[0][0].shape[-1], dtype=torch.float32, device=device)
-        top_id = torch.zeros(B, L, K, dtype=torch.long, device=device)
-        top_lp = torch.zeros(B, L, K, dtype=torch.float32, device=device)
-        for b, ((t, ids, lps), n) in enumerate(zip(rows, lens, strict=True)):
+        for k, (_, ids, _), n in zip(keys, rows, lens, strict=True):
             if ids.shape[0] != n:
-                raise ValueError(f"sequence {keys[b]!r} was cached with {ids.shape[0]} positions, "
+                raise ValueError(f"sequence {k!r} was cached with {ids.shape[0]} positions, "
                                  f"asked for {n}")
-            if taps is not None:
-                taps[b, :n] = t.to(device)
-            top_id[b, :n] = ids.to(device)
-            top_lp[b, :n] = lps.to(device)
-        return taps, top_id, top_lp
+        taps, top_id, top_lp = zip(*rows, strict=True)
+
+        def pad(xs, dtype):                           # [B, max(lens), ...], zeros past each length
+            return pad_sequence(xs, batch_first=True).to(device, dtype)
+
+        return (None if taps[0] is None else pad(taps, torch.float32), pad(top_id, torch.long),
+                pad(top_lp, torch.float32))
 
     def store(self, keys: list, lens: list[int], taps: torch.Tensor | None,
               top_id: torch.Tensor, top_lp: torch.Tensor) -> None:

@@ -451,8 +451,7 @@ def _revocab_source(src: Source, d2t: torch.Tensor, target_head: torch.Tensor, s
           "tokens")
     model["head.weight"] = revocab_head(model["head.weight"], old, d2t, target_head)
     model["d2t"] = d2t.clone()
-    config = {**(src.state.get("config") or {}), "draft_vocab": len(d2t)}
-    return dataclasses.replace(src, state={**src.state, "model": model, "config": config})
+    return _with_model(src, model, draft_vocab=len(d2t))
 
 
 def _grow_source(src: Source, cfg: TrainConfig) -> Source:
@@ -460,15 +459,17 @@ def _grow_source(src: Source, cfg: TrainConfig) -> Source:
     width = src.state["model"]["mlp.down.weight"].shape[1]
     if width == cfg.mlp_width:
         return src
-    if cfg.mlp_width < width:
-        raise ValueError(f"mlp_width {cfg.mlp_width} is narrower than {src.path}'s MLP ({width} "
-                         "units): a drafter grows, it is never cut")
+    model = grow_mlp(src.state["model"], cfg.mlp_width, cfg.seed)     # refuses a narrower width
     if src.kind == "checkpoint" and cfg.lr_schedule != "fresh":
         raise ValueError(f"growing {src.path}'s MLP ({width} -> {cfg.mlp_width} units) needs "
                          "--lr-schedule fresh: its optimizer moments have the old shapes")
     print(f"mlp: {width} -> {cfg.mlp_width} units (new down-projection columns start at zero)")
-    model = grow_mlp(src.state["model"], cfg.mlp_width, cfg.seed)
-    config = {**(src.state.get("config") or {}), "intermediate_size": cfg.mlp_width}
+    return _with_model(src, model, intermediate_size=cfg.mlp_width)
+
+
+def _with_model(src: Source, model: dict[str, torch.Tensor], **config) -> Source:
+    """``src`` with new weights ``model`` and its recorded config updated by ``config``."""
+    config = {**(src.state.get("config") or {}), **config}
     return dataclasses.replace(src, state={**src.state, "model": model, "config": config})
 
 
@@ -611,12 +612,13 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     tokens_seen = 0
     batches = _batch_stream(len(train_seqs), cfg.seqs_per_step, cfg.seed, skip=data_pos)
     seq_keys = [seq_key(ids[:cfg.max_len]) for ids, _ in train_seqs]
+    wanted = set(seq_keys)
     teacher = TeacherCache(int(cfg.teacher_cache_gb * 2**30), target.embed.weight.dtype,
                            cfg.teacher_cache, key=teacher_fields(tgt, dtype.dtype, tap_order,
                                                                  cfg.teacher_topk, dev),
-                           wanted=set(seq_keys))
+                           wanted=wanted)
     if teacher.loaded:
-        print(f"teacher cache: {teacher.loaded} of this run's {len(set(seq_keys))} sequences read "
+        print(f"teacher cache: {teacher.loaded} of this run's {len(wanted)} sequences read "
               f"from {teacher.dir} ({teacher.bytes / 2**30:.2f} GiB)")
     stop_reason = "plan complete"
     with _StopRequest() as stop:
