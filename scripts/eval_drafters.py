@@ -1,6 +1,8 @@
 """Held-out accuracy of several DART/EAGLE drafters on the SAME held-out prefixes (one teacher pass
 per batch serves them all), per domain: per-level top-1/top-5 vs the target's argmax and chain_tau
-(``--split train``: the same on training sequences, to see how much of it is memorisation).
+(``--split train``: the same on training sequences, to see how much of it is memorisation); each
+over every prefix and over the answers' prefixes only (what serving drafts after; see
+:mod:`dart_ray.training.metrics`).
 
 The numbers in a drafter's card come from its own run's held-out split; comparing two drafters
 trained on different data needs one split for both. This uses ``--data``'s ``val`` rows (the split
@@ -74,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                         for n, s, ev in zip(names, a.drafters, evs, strict=True)}}
     for n, ev in zip(names, evs, strict=True):
         for dom in sorted(ev):
-            e = ev[dom]
-            print(f"{n:>10} {dom:>5}: top1 {[round(x, 3) for x in e['top1'][:4]]} "
-                  f"top5 {[round(x, 3) for x in e['top5'][:2]]} chain_tau {e['chain_tau']:.2f}")
+            for part, e in (("every", ev[dom]), ("answer", ev[dom]["answer"])):
+                print(f"{n:>10} {dom:>5} {part:>6}: top1 {[round(x, 3) for x in e['top1'][:4]]} "
+                      f"top5 {[round(x, 3) for x in e['top5'][:2]]} chain_tau "
+                      f"{e['chain_tau']:.2f}")
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
     return 0

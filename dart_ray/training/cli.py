@@ -125,6 +125,9 @@ def train_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--sps-layers", default="0,1",
                    help="sps: target layers the draft blocks start from")
     p.add_argument("--gamma", type=float, default=0.6)
+    p.add_argument("--prompt-weight", type=float, default=1.0,
+                   help="loss weight of the prefixes inside each row's prompt, where serving "
+                        "never drafts (answers weigh 1; 0 = answers only; default 1 = all alike)")
     p.add_argument("--lr", type=float, default=None, help="peak LR of a new plan (default 1e-3)")
     p.add_argument("--warmup", type=int, default=None,
                    help="warmup steps of a new plan (default 30)")
@@ -208,6 +211,7 @@ def train_cli(argv: list[str] | None = None) -> int:
         cfg = TrainConfig(data=a.data, out=a.out, model=a.model, arch=first, joint=tuple(archs[1:]),
                           sps_layers=tuple(parse_int_list(a.sps_layers)),
                           depth=int(d0) if d0 else a.depth, gamma=a.gamma,
+                          prompt_weight=a.prompt_weight,
                           lr=1e-3 if a.lr is None else a.lr,
                           warmup_steps=30 if a.warmup is None else a.warmup,
                           epochs=1.0 if a.epochs is None else a.epochs, max_steps=a.max_steps,

@@ -16,14 +16,21 @@ and code prompts, and teacher-only stdlib source; ``all`` pools them):
 * **chain_len_indep**: 1 + sum_{k=1..d} prod_{j<=k} top1_j, the same quantity if levels were
   independent. Levels of one prefix are positively correlated (an easy position makes the next
   one easy), so it is usually below chain_tau; logged because it is the form often quoted.
+* **answer** (nested in each domain's record): the same numbers over the prefixes a drafter meets
+  while serving only, those that end inside the answer (prefix j >= prompt length - 1: the root
+  x_{j+1} is a generated token, so every level predicts a generated token). The top-level numbers
+  count every prefix, the prompt's too (chat template, the user's request, a code prompt's
+  human-written docstring), which no drafter ever drafts after; they are kept for comparison with
+  earlier cards. Teacher-only text has no prompt: its two agree.
 
 Trees accept more than a chain (several candidates per level); the bench measures that tau.
 
 ``metrics.jsonl`` records, one JSON object a line:
 ``{"kind": "train", "step", "loss", "lr", "per_level_loss", "wall_s"}`` every step and
 ``{"kind": "eval", "step", "domain", "top1", "top5", "chain_tau", "chain_len_indep", "n_prefixes",
-"held_out"}`` per domain at every evaluation. A restarted run drops the records past its checkpoint
-before appending, so the log of a resumed run equals an uninterrupted run's.
+"answer": {the same over answer prefixes}, "held_out"}`` per domain at every evaluation. A
+restarted run drops the records past its checkpoint before appending, so the log of a resumed run
+equals an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dart_ray.training.objectives import (
+    answer_prefixes,
     get_objective,
     level_positions,
     pad_batch,
@@ -101,28 +109,34 @@ def chain_len_indep(top1: list[float], chain_levels: int | None = None) -> float
 
 @torch.no_grad()
 def evaluate(students: Sequence[tuple[torch.nn.Module, TrainConfig]], target, cache, seqs: list,
-             t2d: torch.Tensor | None, dtype: str) -> list[LevelCounts]:
+             t2d: torch.Tensor | None, dtype: str) -> list[dict[str, LevelCounts]]:
     """Per student ``(model, cfg)``: counts of per-level top-1/top-5 hits vs the target's argmax
-    and of leading correct levels on ``seqs`` (``(ids, prompt_len)`` pairs), batched like training
-    (one teacher pass per batch serves every student, as in the loop; the batching and the
-    teacher's top-K are the run's, the same for every student), each student's forward under the
-    run's ``dtype`` (:func:`~dart_ray.training.objectives.student_autocast`)."""
+    and of leading correct levels on ``seqs`` (``(ids, prompt_len)`` pairs), over every prefix
+    (``"all"``) and over the answer's prefixes (``"answer"``, the ones a drafter meets while
+    serving), batched like training (one teacher pass per batch serves every student, as in the
+    loop; the batching and the teacher's top-K are the run's, the same for every student), each
+    student's forward under the run's ``dtype``
+    (:func:`~dart_ray.training.objectives.student_autocast`)."""
     objs = [get_objective(cfg.arch) for _, cfg in students]
     wants = [obj.taps(model) for obj, (model, _) in zip(objs, students, strict=True)]
     order = tuple(sorted({t for w in wants for t in w}))
     run = students[0][1]
-    counts = [LevelCounts.zeros(obj.levels(cfg), obj.chain_levels(cfg))
+    counts = [{part: LevelCounts.zeros(obj.levels(cfg), obj.chain_levels(cfg))
+               for part in ("all", "answer")}
               for obj, (_, cfg) in zip(objs, students, strict=True)]
     for model, _ in students:
         model.eval()
     for i in range(0, len(seqs), run.seqs_per_step):
-        tokens, lens = pad_batch([s[0][:run.max_len] for s in seqs[i:i + run.seqs_per_step]],
-                                 target.embed.weight.device)
+        batch = seqs[i:i + run.seqs_per_step]
+        tokens, lens = pad_batch([s[0][:run.max_len] for s in batch], target.embed.weight.device)
         taps, top_id, _ = teacher_pass(target, cache, tokens, lens, order, run.teacher_topk)
         truth = top_id[..., 0]                                                # [B, L] target argmax
+        answer = answer_prefixes([s[1] for s in batch], tokens.shape[1] - 1, tokens.device)
         for k, (obj, want, (model, cfg)) in enumerate(zip(objs, wants, students, strict=True)):
-            counts[k] += _score(obj, model, cfg, target, select_taps(taps, order, want), tokens,
-                                lens, truth, t2d, dtype)
+            got = _score(obj, model, cfg, target, select_taps(taps, order, want), tokens, lens,
+                         truth, t2d, dtype, answer)
+            for part in counts[k]:
+                counts[k][part] += got[part]
     for model, _ in students:
         model.train()
     return counts
@@ -130,8 +144,9 @@ def evaluate(students: Sequence[tuple[torch.nn.Module, TrainConfig]], target, ca
 
 def _score(obj, model, cfg: TrainConfig, target, taps: torch.Tensor | None,
            tokens: torch.Tensor, lens: list[int], truth: torch.Tensor, t2d: torch.Tensor | None,
-           dtype: str) -> LevelCounts:
-    """One student's counts on one batch (``truth`` [B, L]: the target's argmax)."""
+           dtype: str, answer: torch.Tensor) -> dict[str, LevelCounts]:
+    """One student's counts on one batch (``truth`` [B, L]: the target's argmax; ``answer``
+    [B, J]: the answer prefixes), over every prefix and over the answer's."""
     d = obj.levels(cfg)
     dev = tokens.device
     with student_autocast(dtype, dev):
@@ -143,31 +158,40 @@ def _score(obj, model, cfg: TrainConfig, target, taps: torch.Tensor | None,
     pred5 = logits.topk(5, dim=-1).indices                                    # [B, J, d, 5]
     if t2d is not None:
         pred5 = model.d2t[pred5]
-    ok1 = (pred5[..., 0] == tgt) & valid                                      # [B, J, d]
-    ok5 = (pred5 == tgt[..., None]).any(-1) & valid
-    lead, full = obj.leading_correct(ok1, valid, lens, cfg)                   # [B, J], [B, J]
-    return LevelCounts(ok1.sum((0, 1)).float().tolist(), ok5.sum((0, 1)).float().tolist(),
-                       valid.sum((0, 1)).float().tolist(), float(lead[full].sum()),
-                       int(full.sum()), chain_levels=obj.chain_levels(cfg))
+    hit1 = pred5[..., 0] == tgt                                               # [B, J, d]
+    hit5 = (pred5 == tgt[..., None]).any(-1)
+    out = {}
+    for part, keep in (("all", None), ("answer", answer)):
+        v = valid if keep is None else valid & keep[..., None]                # [B, J, d]
+        ok1, ok5 = hit1 & v, hit5 & v
+        lead, full = obj.leading_correct(ok1, v, lens, cfg)                   # [B, J], [B, J]
+        if keep is not None:
+            full = full & keep
+        out[part] = LevelCounts(ok1.sum((0, 1)).float().tolist(), ok5.sum((0, 1)).float().tolist(),
+                                v.sum((0, 1)).float().tolist(), float(lead[full].sum()),
+                                int(full.sum()), chain_levels=obj.chain_levels(cfg))
+    return out
 
 
 def evaluate_domains(students: Sequence[tuple[torch.nn.Module, TrainConfig]], target, cache,
                      val: dict[str, list], t2d: torch.Tensor | None,
                      dtype: str) -> list[dict[str, dict]]:
     """Per student ``(model, cfg)``: held-out metrics per domain (``val``: domain -> sequences)
-    and pooled (``all``)."""
+    and pooled (``all``), each over every prefix with the answer prefixes' nested as
+    ``"answer"``."""
     by_dom = {dom: evaluate(students, target, cache, seqs, t2d, dtype)
               for dom, seqs in val.items() if seqs}
     out = []
     for k in range(len(students)):
         counts = {dom: c[k] for dom, c in by_dom.items()}
-        ev = {dom: c.summary() for dom, c in counts.items()}
         if counts:
-            pooled = None
+            pooled = {}
             for c in counts.values():
-                pooled = c if pooled is None else pooled + c
-            ev["all"] = pooled.summary()
-        out.append(ev)
+                pooled = {part: n + pooled[part] if part in pooled else n
+                          for part, n in c.items()}
+            counts["all"] = pooled
+        out.append({dom: {**c["all"].summary(), "answer": c["answer"].summary()}
+                    for dom, c in counts.items()})
     return out
 
 
@@ -251,6 +275,11 @@ def plot_metrics(records: list[dict], path: str | Path, title: str = "") -> bool
                             label=f"{dom}: chain_tau")
             ax.plot(s, [r["chain_len_indep"] for r in rs], ls="--", color=line.get_color(),
                     label=f"{dom}: 1 + sum prod top1")
+            ans = [(st, r["answer"]["chain_tau"]) for st, r in zip(s, rs, strict=True)
+                   if "answer" in r]
+            if ans and dom != "text":
+                ax.plot(*zip(*ans, strict=True), ls=":", marker="x", ms=3, color=line.get_color(),
+                        label=f"{dom}: chain_tau, answers only")
     ax.set_xlabel("step")
     ax.set_ylabel("expected chain length")
     ax.set_title("expected accepted chain length")

@@ -79,6 +79,7 @@ class LevelTargets(NamedTuple):
     ids: torch.Tensor    # [B, J, d, K] draft-vocabulary ids (0 where outside it; p is 0 there)
     p: torch.Tensor      # [B, J, d, K] teacher probabilities renormalised over the draft vocab
     valid: torch.Tensor  # [B, J, d] j+t inside the sequence (and some teacher mass expressible)
+    weight: torch.Tensor | None = None  # [B, J] per-prefix loss weight (None: all 1)
 
 
 class Objective:
@@ -124,14 +125,19 @@ class Objective:
         raise NotImplementedError
 
     def targets(self, top_id: torch.Tensor, top_lp: torch.Tensor, t2d: torch.Tensor | None,
-                cfg: TrainConfig, lens: list[int]) -> LevelTargets:
-        """The teacher pass's top-K [B, L, K] as per-level targets (:func:`level_targets`)."""
-        return LevelTargets(*level_targets(top_id, top_lp, t2d, self.levels(cfg), lens))
+                cfg: TrainConfig, lens: list[int],
+                prompt_lens: list[int] | None = None) -> LevelTargets:
+        """The teacher pass's top-K [B, L, K] as per-level targets (:func:`level_targets`), the
+        prompt's prefixes weighted ``cfg.prompt_weight`` (:func:`prefix_weights`)."""
+        J = top_id.shape[1] - 1
+        return LevelTargets(*level_targets(top_id, top_lp, t2d, self.levels(cfg), lens),
+                            weight=prefix_weights(prompt_lens, J, cfg.prompt_weight,
+                                                  top_id.device))
 
     def loss(self, logits: torch.Tensor, targets: LevelTargets,
              gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(weighted loss, per-level loss [d]): :func:`kl_loss`."""
-        return kl_loss(logits, targets.ids, targets.p, targets.valid, gamma)
+        return kl_loss(logits, targets.ids, targets.p, targets.valid, gamma, targets.weight)
 
     def leading_correct(self, ok1: torch.Tensor, valid: torch.Tensor, lens: list[int],
                         cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -509,6 +515,23 @@ def level_positions(J: int, depth: int, lens: list[int],
     return idx, idx[None] < torch.tensor(lens, device=device)[:, None, None]
 
 
+def answer_prefixes(prompt_lens: list[int], J: int, device) -> torch.Tensor:
+    """[B, J] bool: prefix j ends inside the answer (j >= prompt length - 1), so the drafter's root
+    x_{j+1} and every level after it are generated tokens -- the prefixes drafting meets."""
+    start = torch.tensor([max(p - 1, 0) for p in prompt_lens], device=device)
+    return torch.arange(J, device=device)[None, :] >= start[:, None]
+
+
+def prefix_weights(prompt_lens: list[int] | None, J: int, prompt_weight: float,
+                   device) -> torch.Tensor | None:
+    """[B, J] loss weight per prefix: 1 in the answer, ``prompt_weight`` in the prompt; None when
+    every prefix weighs 1 (``prompt_weight`` 1, or no prompt lengths given)."""
+    if prompt_lens is None or prompt_weight == 1:
+        return None
+    ans = answer_prefixes(prompt_lens, J, device)
+    return torch.where(ans, 1.0, float(prompt_weight))
+
+
 def level_targets(top_id: torch.Tensor, top_lp: torch.Tensor, t2d: torch.Tensor | None, depth: int,
                   lens: list[int]):
     """Teacher for prefix j, level t = teacher at position j+t -> ids/probs [B, J, d, K] (+ valid
@@ -529,14 +552,16 @@ def level_targets(top_id: torch.Tensor, top_lp: torch.Tensor, t2d: torch.Tensor 
 
 
 def kl_loss(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, valid: torch.Tensor,
-            gamma: float):
+            gamma: float, weight: torch.Tensor | None = None):
     """Forward KL up to the teacher entropy: -sum_k p_k log q(id_k), per level weighted
-    gamma^(t-1)."""
+    gamma^(t-1); each level's loss is the mean over valid prefixes, each prefix weighted
+    ``weight`` [B, J] when given."""
     logq = torch.log_softmax(logits.float(), dim=-1)                    # [B, J, d, Vd]
     ce = -(p * logq.gather(-1, ids)).sum(-1)                            # [B, J, d]
     d = logits.shape[2]
     w = gamma ** torch.arange(d, dtype=torch.float32, device=logits.device)  # [d]
-    per_level = (ce * valid).sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)
+    m = valid.float() if weight is None else valid * weight[..., None]  # [B, J, d]
+    per_level = (ce * m).sum((0, 1)) / m.sum((0, 1)).clamp(min=1e-6)
     return (per_level * w).sum() / w.sum(), per_level.detach()
 
 

@@ -82,7 +82,7 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
         raise ValueError(f"shipped artifacts over {MAX_MB} MB: {too_big}")
     cfg = summary["config"]
     keys = ("arch", "depth", "gamma", "lr", "warmup_steps", "epochs", "max_steps", "seqs_per_step",
-            "max_len", "draft_vocab", "teacher_topk", "init_from_target")
+            "max_len", "draft_vocab", "teacher_topk", "init_from_target", "prompt_weight")
     keys += ("sps_layers",) if arch == "sps" else ()
     joint = summary.get("joint_with") or []
     lines = [f"# {spec.card_title} for {model_id}", "",
@@ -203,15 +203,19 @@ def accuracy_section(summary: dict, chain_note: str = "") -> list[str]:
             lines += [f"**{dom}**"
                       + (f" ({e['n_prefixes']} prefixes)" if "n_prefixes" in e else ""), ""]
         lines += [*_level_table(e), ""]
-    lines += ["| domain | chain_tau | 1 + sum prod top-1 |", "|---|---|---|"]
+    lines += ["| domain | chain_tau | 1 + sum prod top-1 | answers only: level-1 / level-2 top-1, "
+              "chain_tau |", "|---|---|---|---|"]
     for dom, e in [*sorted(by.items()), ("all", ev)]:
-        indep = e.get("chain_len_indep")
+        indep, a = e.get("chain_len_indep"), e.get("answer")
+        ans = (f"{a['top1'][0]:.3f} / {a['top1'][1]:.3f}, {a['chain_tau']:.2f}"
+               if a and len(a["top1"]) > 1 else "-")
         lines.append(f"| {dom} | **{e['chain_tau']:.2f}** | "
-                     f"{'-' if indep is None else f'{indep:.2f}'} |")
+                     f"{'-' if indep is None else f'{indep:.2f}'} | {ans} |")
     lines += ["", ("Expected accepted length of a greedy chain: chain_tau = 1 + mean number of "
                    f"leading correct top-1 levels per prefix{chain_note}; the second column is the "
-                   "same if levels were independent (1 + sum_k prod_{j<=k} top-1_j). Trees accept "
-                   "more: see the measured tau below."), ""]
+                   "same if levels were independent (1 + sum_k prod_{j<=k} top-1_j); the last over "
+                   "the answers' prefixes only (what serving drafts after; the others count the "
+                   "prompts' too). Trees accept more: see the measured tau below."), ""]
     if summary.get("held_out") is False:
         lines += ["(No held-out rows: measured on the last training sequences.)", ""]
     return lines

@@ -103,6 +103,11 @@ class TrainConfig:
     """SpS: target layers the draft model's blocks are initialised from (one block each)."""
     gamma: float = 0.6
     """Level weight base: level t weighted gamma^(t-1)."""
+    prompt_weight: float = 1.0
+    """Loss weight of the prefixes that end inside a row's prompt (j < prompt length - 1: chat
+    template, the request, a code prompt's docstring), where no drafting happens when serving;
+    the answer's prefixes weigh 1. 1 = every prefix alike (every run before it), 0 = answers
+    only (teacher-only text has no prompt: all of it weighs 1)."""
     lr: float = 1e-3
     """Peak LR of a new plan (a new run, or ``lr_schedule="fresh"``)."""
     weight_decay: float = 0.01
@@ -196,6 +201,8 @@ class TrainConfig:
             raise ValueError("depth must be in [1, 16]")
         if not 0 < self.gamma <= 1:
             raise ValueError("gamma must be in (0, 1]")
+        if not 0 <= self.prompt_weight <= 1:
+            raise ValueError(f"prompt_weight must be in [0, 1], got {self.prompt_weight}")
         if self.seqs_per_step < 1 or self.max_len < 8:
             raise ValueError("seqs_per_step >= 1 and max_len >= 8 required")
         if self.mlp_width is not None and self.init_from_target:
@@ -637,7 +644,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             teacher_s = (time.perf_counter() - t0) / len(students)
             losses = {}
             for st in students:
-                targets = st.objective.targets(top_id, top_lp, t2d, st.cfg, lens)
+                targets = st.objective.targets(top_id, top_lp, t2d, st.cfg, lens,
+                                               [train_seqs[k][1] for k in idx])
                 losses[st.cfg.arch] = st.update(target, select_taps(taps, tap_order, st.taps),
                                                 tokens, targets)
                 st.wall_s += teacher_s
@@ -656,7 +664,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
                                                       dtype.dtype, held_out), strict=True):
                     print(f"\n{st.cfg.arch} step {step}: " + "; ".join(
                         f"{dom} top1 {[round(a, 3) for a in e['top1'][:4]]} chain_tau "
-                        f"{e['chain_tau']:.2f}"
+                        f"{e['chain_tau']:.2f} (answers: top1 "
+                        f"{[round(a, 3) for a in e['answer']['top1'][:2]]} chain_tau "
+                        f"{e['answer']['chain_tau']:.2f})"
                         for dom, e in ev.items()))
             if step % cfg.ckpt_every == 0 or step >= end or out_of_time or stop.requested:
                 teacher.save()

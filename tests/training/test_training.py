@@ -78,6 +78,42 @@ def test_level_targets_and_loss_by_hand():
     torch.testing.assert_close(per_level, expect, atol=1e-4, rtol=1e-4)
 
 
+def test_prompt_weight_scales_the_prompts_prefixes_in_the_loss():
+    """``prompt_weight``: each level's loss is the weighted mean over prefixes, the prompt's
+    (j < prompt length - 1) weighted by it; 1 is the unweighted loss; 0 leaves the prompt's logits
+    without gradient and equals the loss over the answer's prefixes alone."""
+    from dart_ray.training.objectives import get_objective, prefix_weights
+    from dart_ray.training.trainer import TrainConfig
+
+    g = torch.Generator().manual_seed(0)
+    B, L, K, V, d = 2, 9, 3, 12, 2
+    top_id = torch.randint(0, V, (B, L, K), generator=g)
+    top_lp = torch.log_softmax(torch.randn(B, L, K, generator=g), -1)
+    logits = torch.randn(B, L - 1, d, V, generator=g, requires_grad=True)
+    lens, plens = [9, 7], [4, 1]
+    obj = get_objective("dart")
+
+    def loss_at(w):
+        cfg = TrainConfig(data="d", out="o", depth=d, prompt_weight=w)
+        return obj.loss(logits, obj.targets(top_id, top_lp, None, cfg, lens, plens), 0.6)
+
+    plain, _ = kl_loss(logits, *level_targets(top_id, top_lp, None, d, lens), gamma=0.6)
+    torch.testing.assert_close(loss_at(1.0)[0], plain)
+    assert prefix_weights(plens, L - 1, 0.3, "cpu")[0].tolist() == pytest.approx([0.3] * 3
+                                                                                 + [1.0] * 5)
+    assert prefix_weights(plens, L - 1, 0.3, "cpu")[1].tolist() == [1.0] * 8   # no prompt prefix
+    zero, per_level = loss_at(0.0)
+    ids, p, valid = level_targets(top_id, top_lp, None, d, lens)
+    valid[0, :3] = False                                     # row 0's prompt prefixes j = 0..2
+    torch.testing.assert_close(zero, kl_loss(logits, ids, p, valid, gamma=0.6)[0])
+    zero.backward()
+    assert logits.grad[0, :3].abs().max() == 0 and logits.grad[0, 3:].abs().max() > 0
+    half = loss_at(0.5)[1]
+    assert not torch.allclose(half, per_level) and not torch.allclose(half, loss_at(1.0)[1])
+    with pytest.raises(ValueError, match="prompt_weight"):
+        TrainConfig(data="d", out="o", prompt_weight=1.5)
+
+
 def _code_corpus(name: str, doc: str, n: int) -> list[dict]:
     """``n`` code prompts: ``def <name><i>(x):`` and the docstring ``Return x <doc> <i>.``"""
     return [{"prompt": f"def {name}{i}(x):\n    \"\"\"Return x {doc} {i}.\"\"\"\n",
@@ -941,6 +977,53 @@ def test_one_teacher_pass_per_held_out_batch_serves_every_student(tiny, monkeypa
              for s in students]
     assert joint == alone
     assert set(joint[0]) == {"chat", "code", "all"} and len(joint[2]["all"]["top1"]) == 1
+
+
+def test_answer_metrics_count_only_prefixes_that_drafting_meets(tiny):
+    """The nested ``answer`` numbers count exactly the prefixes j >= prompt length - 1 (a loop over
+    the drafter's own logits is the oracle); with a one-token prompt they are the every-prefix
+    numbers; the prompt's prefixes do enter the top-level numbers."""
+    import dart_ray.training.metrics as metrics
+    from dart_ray.training.objectives import get_objective, pad_batch, teacher_pass
+    from dart_ray.training.trainer import TrainConfig
+
+    cfg = TrainConfig(data="d", out="o", arch="dart", depth=3, seqs_per_step=3, max_len=24,
+                      teacher_topk=4)
+    obj = get_objective("dart")
+    model = obj.build(cfg, tiny, None, new=True)
+    g = torch.Generator().manual_seed(1)
+    seqs = [(torch.randint(0, tiny.args.vocab_size, (n,), generator=g).tolist(), p)
+            for n, p in ((20, 7), (12, 11), (16, 1))]
+    cache = tiny.model.new_cache(3, 64)
+    got = metrics.evaluate_domains([(model, cfg)], tiny.model, cache, {"chat": seqs}, None,
+                                   "fp32")[0]["chat"]
+    tokens, lens = pad_batch([s[0] for s in seqs])
+    taps, top_id, _ = teacher_pass(tiny.model, cache, tokens, lens, model.cfg.tap_layers, 4)
+    with torch.no_grad():
+        pred = obj.forward(model.eval(), tiny.model, taps, tokens).argmax(-1)    # [B, J, d]
+    hits, total, chain, full = [0] * 3, [0] * 3, 0, 0
+    for b, (ids, plen) in enumerate(seqs):
+        for j in range(max(plen - 1, 0), len(ids) - 1):
+            lead, inside = 0, True
+            for t in range(1, 4):
+                if j + t >= len(ids):
+                    inside = False
+                    break
+                ok = int(pred[b, j, t - 1]) == int(top_id[b, j + t, 0])
+                hits[t - 1] += ok
+                total[t - 1] += 1
+                lead = lead + 1 if ok and lead == t - 1 else lead
+            if inside:
+                chain, full = chain + lead, full + 1
+    ans = got["answer"]
+    assert ans["top1"] == pytest.approx([h / n for h, n in zip(hits, total, strict=True)])
+    assert ans["n_prefixes"] == full and ans["chain_tau"] == pytest.approx(1 + chain / full)
+    assert got["n_prefixes"] > full                              # the prompts' prefixes count here
+    one = [(ids, 1) for ids, _ in seqs]
+    every = metrics.evaluate_domains([(model, cfg)], tiny.model, cache, {"chat": one}, None,
+                                     "fp32")[0]["chat"]
+    assert every["answer"] == {k: v for k, v in every.items() if k != "answer"}
+    assert every["top1"] == got["top1"] and every["n_prefixes"] == got["n_prefixes"]
 
 
 def test_data_made_in_parts_trains_as_one(tmp_path, tiny_dirs):
