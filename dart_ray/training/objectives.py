@@ -555,7 +555,8 @@ def kl_loss(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, valid: tor
             gamma: float, weight: torch.Tensor | None = None):
     """Forward KL up to the teacher entropy: -sum_k p_k log q(id_k), per level weighted
     gamma^(t-1); each level's loss is the mean over valid prefixes, each prefix weighted
-    ``weight`` [B, J] when given."""
+    ``weight`` [B, J] when given (per level: a level whose only valid prefixes in the batch are
+    down-weighted ones still gets a full-weight mean of them)."""
     logq = torch.log_softmax(logits.float(), dim=-1)                    # [B, J, d, Vd]
     ce = -(p * logq.gather(-1, ids)).sum(-1)                            # [B, J, d]
     d = logits.shape[2]

@@ -81,6 +81,7 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
     if too_big:
         raise ValueError(f"shipped artifacts over {MAX_MB} MB: {too_big}")
     cfg = summary["config"]
+    defaults = _config_defaults()  # a run from before a setting existed trained with its default
     keys = ("arch", "depth", "gamma", "lr", "warmup_steps", "epochs", "max_steps", "seqs_per_step",
             "max_len", "draft_vocab", "teacher_topk", "init_from_target", "prompt_weight")
     keys += ("sps_layers",) if arch == "sps" else ()
@@ -101,7 +102,7 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
              + (f"; trained jointly with {', '.join(joint)} on the same batches" if joint else ""),
              *_plan_lines(summary),
              *_dtype_lines(summary),
-             f"- config: `{json.dumps({k: cfg.get(k) for k in keys})}`",
+             f"- config: `{json.dumps({k: cfg.get(k, defaults.get(k)) for k in keys})}`",
              "- sizes: " + ", ".join(f"{k} {v:.1f} MB" for k, v in sizes.items()), "",
              *accuracy_section(summary, chain_note=f", chains of {cfg['depth']} draft-model tokens"
                                if arch == "sps"
@@ -207,8 +208,8 @@ def accuracy_section(summary: dict, chain_note: str = "") -> list[str]:
               "chain_tau |", "|---|---|---|---|"]
     for dom, e in [*sorted(by.items()), ("all", ev)]:
         indep, a = e.get("chain_len_indep"), e.get("answer")
-        ans = (f"{a['top1'][0]:.3f} / {a['top1'][1]:.3f}, {a['chain_tau']:.2f}"
-               if a and len(a["top1"]) > 1 else "-")
+        ans = (" / ".join(f"{x:.3f}" for x in a["top1"][:2]) + f", {a['chain_tau']:.2f}"
+               if a else "-")
         lines.append(f"| {dom} | **{e['chain_tau']:.2f}** | "
                      f"{'-' if indep is None else f'{indep:.2f}'} | {ans} |")
     lines += ["", ("Expected accepted length of a greedy chain: chain_tau = 1 + mean number of "
@@ -219,6 +220,16 @@ def accuracy_section(summary: dict, chain_note: str = "") -> list[str]:
     if summary.get("held_out") is False:
         lines += ["(No held-out rows: measured on the last training sequences.)", ""]
     return lines
+
+
+def _config_defaults() -> dict:
+    """TrainConfig's field defaults (what a summary written before a field existed means)."""
+    import dataclasses
+
+    from dart_ray.training.trainer import TrainConfig
+
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)
+            if f.default is not dataclasses.MISSING}
 
 
 def ship_cli(argv: list[str] | None = None) -> int:

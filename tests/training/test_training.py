@@ -99,6 +99,9 @@ def test_prompt_weight_scales_the_prompts_prefixes_in_the_loss():
 
     plain, _ = kl_loss(logits, *level_targets(top_id, top_lp, None, d, lens), gamma=0.6)
     torch.testing.assert_close(loss_at(1.0)[0], plain)
+    ones = torch.ones(B, L - 1)                              # the weighted mean with all weights 1
+    torch.testing.assert_close(kl_loss(logits, *level_targets(top_id, top_lp, None, d, lens),
+                                       gamma=0.6, weight=ones)[0], plain)
     assert prefix_weights(plens, L - 1, 0.3, "cpu")[0].tolist() == pytest.approx([0.3] * 3
                                                                                  + [1.0] * 5)
     assert prefix_weights(plens, L - 1, 0.3, "cpu")[1].tolist() == [1.0] * 8   # no prompt prefix
@@ -874,6 +877,9 @@ def test_metrics_per_domain_logged_plotted_and_carded(tmp_path, tiny_dirs, tiny_
     assert "**chat**" in card and "**code**" in card and "| chat | **" in card
     assert "1 + sum prod top-1" in card
     assert "LR plan: warmup 2" in card
+    assert "answers only" in card and '"prompt_weight": 1.0' in card
+    assert all("answer" in r and r["answer"]["n_prefixes"] <= r["n_prefixes"]
+               for r in recs if r["kind"] == "eval")
 
 
 def test_dtype_is_resolved_recorded_and_carded(tmp_path, tiny_dirs, tiny_mixed_data, capsys):
@@ -907,6 +913,56 @@ def test_dtype_is_resolved_recorded_and_carded(tmp_path, tiny_dirs, tiny_mixed_d
     with pytest.raises(SystemExit):
         train_cli(["--data", str(tmp_path), "--out", str(tmp_path / "o"), "--dtype", "fp16"])
     assert "--dtype" in capsys.readouterr().err
+
+
+def test_prompt_weight_reaches_the_loss_with_each_rows_prompt_length(tmp_path, tiny_dirs,
+                                                                      tiny_mixed_data,
+                                                                      monkeypatch):
+    """``--prompt-weight``: every batch's targets get its own rows' prompt lengths (in batch order),
+    the first loss differs from an unweighted run's on the same batch, and the card records it."""
+    import dart_ray.training.trainer as trainer
+    from dart_ray.training.cli import train_cli
+    from dart_ray.training.gen_data import load_rows
+    from dart_ray.training.objectives import Objective
+    from dart_ray.training.ship import ship
+
+    rows = {(tuple(ids[:40]), plen) for ids, plen, _ in load_rows(tiny_mixed_data, "train")}
+    seen = []
+    real = Objective.targets
+
+    def recording(self, top_id, top_lp, t2d, cfg, lens, prompt_lens=None):
+        seen.append((lens, prompt_lens, cfg.prompt_weight))
+        return real(self, top_id, top_lp, t2d, cfg, lens, prompt_lens)
+
+    monkeypatch.setattr(Objective, "targets", recording)
+    batches = []
+    real_pad = trainer.pad_batch
+
+    def pad(batch, device=None):
+        batches.append([tuple(s) for s in batch])
+        return real_pad(batch, device)
+
+    monkeypatch.setattr(trainer, "pad_batch", pad)
+    first = {}
+    for w in ("0.25", "1"):
+        seen.clear()
+        batches.clear()
+        out = tmp_path / f"run{w}"
+        assert train_cli(["--data", str(tiny_mixed_data), "--out", str(out), "--model",
+                          str(tiny_dirs["llama"]), "--depth", "3", "--max-steps", "2",
+                          "--seqs-per-step", "2", "--max-len", "40", "--draft-vocab", "256",
+                          "--eval-seqs", "2", "--warmup", "1", "--lr", "3e-3",
+                          "--prompt-weight", w]) == 0
+        assert len(seen) == 2 and all(pw == float(w) for _, _, pw in seen)
+        for batch, (lens, plens, _) in zip(batches, seen, strict=True):
+            assert [len(s) for s in batch] == lens
+            assert all((s, p) in rows for s, p in zip(batch, plens, strict=True))
+        recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        first[w] = next(r["loss"] for r in recs if r["kind"] == "train")
+    assert first["0.25"] != pytest.approx(first["1"])
+    card = (ship(tmp_path / "run0.25", None, "tiny-model", "make artifacts",
+                 dest_root=tmp_path / "artifacts") / "CARD.md").read_text()
+    assert '"prompt_weight": 0.25' in card
 
 
 def test_objectives_come_from_the_method_registry():
