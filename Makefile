@@ -14,7 +14,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 drafter-v4-data drafter-v5-experiment heldout-code drafter-v6 drafter-v7 drafter-v8 drafter-v9 gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 drafter-v4-data drafter-v5-experiment heldout-code drafter-v6 drafter-v7 drafter-v8-data drafter-v8 drafter-v9 gpu-check clean
 
 setup: $(STAMP)
 
@@ -149,9 +149,11 @@ drafter-v5-experiment: setup
 # issue 17: a held-out set of the target's answers to stdlib code prompts, larger than a data run's 5 % split
 # (only the prompts that hash to "val" are answered, so no training run ever sees them; 131 of 3,000 prompts).
 HELDOUT ?= $(RUNS)/heldout
+# the gen-data flags of every stdlib-code-answers set (held-out and training): no chat, the target answers
+# greedily with plain steps, <= 256 new tokens
+CODE_ANSWERS = gen-data --n-chat 0 --max-new-tokens 256 --batch-size 64 --shard-size 256 --threads 2 --method none
 heldout-code: setup
-	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(HELDOUT)/code --n-code 3000 --n-chat 0 --only-split val \
-	  --max-new-tokens 256 --batch-size 64 --shard-size 256 --threads 2 --method none --seed 5
+	$(FAST_ENV) $(BIN)/dart-ray $(CODE_ANSWERS) --out $(HELDOUT)/code --n-code 3000 --only-split val --seed 5
 
 # issue 17, sixth sitting (the same AMD EPYC Zen 4; see the card): v4's prompts answered up to V4_DATA_SHARDS=9,
 # 731 more stdlib code prompts answered (training split only, none v4 answered), then DART trained on from the v5
@@ -168,8 +170,8 @@ V6_BUDGET_S ?= 5100
 drafter-v6: setup heldout-code
 	test -f $(V5)/drafter/checkpoint/state.pt || $(MAKE) drafter-v5-experiment
 	$(MAKE) drafter-v4-data V4_DATA_SHARDS=9
-	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(V6)/code --n-code 800 --n-chat 0 --only-split train \
-	  --exclude-data $(V4)/data --max-new-tokens 256 --batch-size 64 --shard-size 256 --threads 2 --method none --seed 6
+	$(FAST_ENV) $(BIN)/dart-ray $(CODE_ANSWERS) --out $(V6)/code --n-code 800 --only-split train \
+	  --exclude-data $(V4)/data --seed 6
 	mkdir -p $(V6)/data && ln -sf $(abspath $(V4))/data/shard-*.parquet $(V6)/data/
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter $(SITTING_TRAIN) --data $(V6)/data,$(V6)/code --out $(V6)/drafter \
 	  --resume $(V5)/drafter --max-steps $(V6_STEPS) --lr 3e-4 --eval-every 250 --time-budget $(V6_BUDGET_S)
@@ -198,10 +200,12 @@ V8 ?= $(RUNS)/v8
 V8_MLP ?= 2560
 V8_STEPS ?= 580
 V8_BUDGET_S ?= 3900
-drafter-v8: setup heldout-code
-	test -f $(V6)/drafter/checkpoint/state.pt || $(MAKE) drafter-v6
+# v4's prompt shards all answered, linked as one data directory (v8's and v9's chat half)
+drafter-v8-data: setup
 	$(MAKE) drafter-v4-data V4_DATA_SHARDS=11
 	mkdir -p $(V8)/data && ln -sf $(abspath $(V4))/data/shard-*.parquet $(V8)/data/
+drafter-v8: setup heldout-code drafter-v8-data
+	test -f $(V6)/drafter/checkpoint/state.pt || $(MAKE) drafter-v6
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter $(SITTING_TRAIN) --data $(V8)/data,$(V6)/code --out $(V8)/drafter \
 	  --resume $(V6)/drafter --mlp-width $(V8_MLP) --max-steps $(V8_STEPS) --lr 1.5e-4 --eval-every 200 \
 	  --time-budget $(V8_BUDGET_S)
@@ -217,13 +221,10 @@ TEACHER ?= $(RUNS)/teacher
 V9_PROMPT_WEIGHT ?= 0.1
 V9_STEPS ?= 560
 V9_BUDGET_S ?= 3720
-drafter-v9: setup heldout-code
+drafter-v9: setup heldout-code drafter-v8-data
 	test -f $(V6)/drafter/checkpoint/state.pt || $(MAKE) drafter-v6
-	$(MAKE) drafter-v4-data V4_DATA_SHARDS=11
-	mkdir -p $(V8)/data && ln -sf $(abspath $(V4))/data/shard-*.parquet $(V8)/data/
-	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(V9)/code --n-code 2000 --n-chat 0 --only-split train \
-	  --exclude-data $(V4)/data,$(V6)/code,$(V8)/data --max-new-tokens 256 --batch-size 64 --shard-size 256 \
-	  --threads 2 --method none --seed 9
+	$(FAST_ENV) $(BIN)/dart-ray $(CODE_ANSWERS) --out $(V9)/code --n-code 2000 --only-split train \
+	  --exclude-data $(V4)/data,$(V6)/code,$(V8)/data --seed 9
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter $(SITTING_TRAIN) --data $(V8)/data,$(V6)/code,$(V9)/code \
 	  --out $(V9)/drafter --resume $(V6)/drafter --prompt-weight $(V9_PROMPT_WEIGHT) --max-steps $(V9_STEPS) \
 	  --lr 2e-4 --eval-every 200 --time-budget $(V9_BUDGET_S) --teacher-cache $(TEACHER) --teacher-cache-gb 6

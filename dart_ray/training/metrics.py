@@ -36,9 +36,11 @@ equals an uninterrupted run's.
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,6 +58,10 @@ from dart_ray.training.objectives import (
 
 if TYPE_CHECKING:
     from dart_ray.training.trainer import TrainConfig
+
+
+PARTS = ("every", "answer")
+"""The prefixes a count covers: every prefix, or the answer's (:func:`answer_prefixes`)."""
 
 
 @dataclass
@@ -112,7 +118,7 @@ def evaluate(students: Sequence[tuple[torch.nn.Module, TrainConfig]], target, ca
              t2d: torch.Tensor | None, dtype: str) -> list[dict[str, LevelCounts]]:
     """Per student ``(model, cfg)``: counts of per-level top-1/top-5 hits vs the target's argmax
     and of leading correct levels on ``seqs`` (``(ids, prompt_len)`` pairs), over every prefix
-    (``"all"``) and over the answer's prefixes (``"answer"``, the ones a drafter meets while
+    (``"every"``) and over the answer's prefixes (``"answer"``, the ones a drafter meets while
     serving), batched like training (one teacher pass per batch serves every student, as in the
     loop; the batching and the teacher's top-K are the run's, the same for every student), each
     student's forward under the run's ``dtype``
@@ -122,7 +128,7 @@ def evaluate(students: Sequence[tuple[torch.nn.Module, TrainConfig]], target, ca
     order = tuple(sorted({t for w in wants for t in w}))
     run = students[0][1]
     counts = [{part: LevelCounts.zeros(obj.levels(cfg), obj.chain_levels(cfg))
-               for part in ("all", "answer")}
+               for part in PARTS}
               for obj, (_, cfg) in zip(objs, students, strict=True)]
     for model, _ in students:
         model.eval()
@@ -161,7 +167,7 @@ def _score(obj, model, cfg: TrainConfig, target, taps: torch.Tensor | None,
     hit1 = pred5[..., 0] == tgt                                               # [B, J, d]
     hit5 = (pred5 == tgt[..., None]).any(-1)
     out = {}
-    for part, keep in (("all", None), ("answer", answer)):
+    for part, keep in (("every", None), ("answer", answer)):
         v = valid if keep is None else valid & keep[..., None]                # [B, J, d]
         ok1, ok5 = hit1 & v, hit5 & v
         lead, full = obj.leading_correct(ok1, v, lens, cfg)                   # [B, J], [B, J]
@@ -185,12 +191,9 @@ def evaluate_domains(students: Sequence[tuple[torch.nn.Module, TrainConfig]], ta
     for k in range(len(students)):
         counts = {dom: c[k] for dom, c in by_dom.items()}
         if counts:
-            pooled = {}
-            for c in counts.values():
-                pooled = {part: n + pooled[part] if part in pooled else n
-                          for part, n in c.items()}
-            counts["all"] = pooled
-        out.append({dom: {**c["all"].summary(), "answer": c["answer"].summary()}
+            counts["all"] = {part: reduce(operator.add, (c[part] for c in counts.values()))
+                             for part in PARTS}
+        out.append({dom: {**c["every"].summary(), "answer": c["answer"].summary()}
                     for dom, c in counts.items()})
     return out
 

@@ -60,6 +60,7 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
     data generation included, which no single run's summary knows).
     """
     from dart_ray.drafters import default_artifact_dir
+    from dart_ray.training.trainer import config_defaults
 
     run = Path(run_dir)
     summary = json.loads((run / "train_summary.json").read_text())
@@ -81,7 +82,7 @@ def ship(run_dir: str | Path, ngram_dir: str | Path | None, model_id: str, comma
     if too_big:
         raise ValueError(f"shipped artifacts over {MAX_MB} MB: {too_big}")
     cfg = summary["config"]
-    defaults = _config_defaults()  # a run from before a setting existed trained with its default
+    defaults = config_defaults()  # a run from before a setting existed trained with its default
     keys = ("arch", "depth", "gamma", "lr", "warmup_steps", "epochs", "max_steps", "seqs_per_step",
             "max_len", "draft_vocab", "teacher_topk", "init_from_target", "prompt_weight")
     keys += ("sps_layers",) if arch == "sps" else ()
@@ -220,16 +221,6 @@ def accuracy_section(summary: dict, chain_note: str = "") -> list[str]:
     if summary.get("held_out") is False:
         lines += ["(No held-out rows: measured on the last training sequences.)", ""]
     return lines
-
-
-def _config_defaults() -> dict:
-    """TrainConfig's field defaults (what a summary written before a field existed means)."""
-    import dataclasses
-
-    from dart_ray.training.trainer import TrainConfig
-
-    return {f.name: f.default for f in dataclasses.fields(TrainConfig)
-            if f.default is not dataclasses.MISSING}
 
 
 def ship_cli(argv: list[str] | None = None) -> int:

@@ -250,12 +250,11 @@ the data is identified by its fingerprint, not its path; a run moved to a machin
 resolves otherwise continues, in the other dtype)."""
 
 
-def _field_defaults() -> dict:
-    """TrainConfig's defaults as :func:`run_key` writes values (what a checkpoint written before a
-    field existed ran with)."""
+def config_defaults() -> dict:
+    """TrainConfig's defaults as :func:`run_key` and the summary write values (tuples as lists):
+    what a checkpoint or summary written before a field existed ran with."""
     return {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
-            for f in dataclasses.fields(TrainConfig)
-            if f.default is not dataclasses.MISSING and f.name not in RESTART_FREE}
+            for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
 
 
 def run_key(cfg: TrainConfig, data_key: str) -> dict:
@@ -556,7 +555,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         if src.kind != "restart":
             continue
         # a setting added after the checkpoint was written reads as its default there
-        old = {**_field_defaults(), **src.state["run_key"]}
+        old = {**{k: v for k, v in config_defaults().items() if k not in RESTART_FREE},
+               **src.state["run_key"]}
         diff = {k: (old.get(k), key.get(k)) for k in sorted(set(old) | set(key))
                 if old.get(k) != key.get(k)}
         if diff:
@@ -632,6 +632,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         while step < end:
             idx = next(batches)
             tokens, lens = pad_batch([train_seqs[k][0][:cfg.max_len] for k in idx], dev)
+            prompt_lens = [train_seqs[k][1] for k in idx]
             t0 = time.perf_counter()
             keys = [seq_keys[k] for k in idx]
             outs = teacher.lookup(keys, lens, dev)
@@ -644,8 +645,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             teacher_s = (time.perf_counter() - t0) / len(students)
             losses = {}
             for st in students:
-                targets = st.objective.targets(top_id, top_lp, t2d, st.cfg, lens,
-                                               [train_seqs[k][1] for k in idx])
+                targets = st.objective.targets(top_id, top_lp, t2d, st.cfg, lens, prompt_lens)
                 losses[st.cfg.arch] = st.update(target, select_taps(taps, tap_order, st.taps),
                                                 tokens, targets)
                 st.wall_s += teacher_s
