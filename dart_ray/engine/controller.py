@@ -2,15 +2,19 @@
 
 A step over ``B`` rows that verifies ``n`` draft nodes per row costs (on this machine)::
 
-    cost(B, n) = draft(B) [0 when n = 0]  +  verify(B, n + 1)  +  overhead(B)
+    cost(B, n) = draft(B) [0 when n = 0]  +  verify(B, width(n) + 1)  +  overhead(B)
 
 and commits ``B * (1 + acc(n))`` tokens, where ``acc(n)`` is the expected number of accepted draft
-tokens per row when the tree is cut to its first ``n`` nodes. The controller picks the ``n`` (from a
+tokens per row when the tree is cut to its first ``n`` nodes, and ``width(n) <= n`` the expected
+number of draft nodes the verify forward then carries per row: ``n`` for a drafter that always
+fills its budget (DART, EAGLE, Medusa, a draft model), less for one that proposes only what it
+finds (prompt lookup proposes nothing in a dry spell, and a step with nothing proposed costs a
+plain forward plus the lookup). The controller picks the ``n`` (from a
 ladder 0, 1, 2, 3, 4, 6, 8, 12, ... up to the configured budget) that maximises
 ``B * (1 + acc(n)) / cost(B, n)``. ``n = 0`` is a plain autoregressive step: the drafter is not even
 asked, so the choice can never be slower than plain decoding by more than the estimates' error.
-(Where a one-node step costs at most ``learn_margin`` more than a plain one, it replaces the plain
-step: it keeps learning, at a bounded price.)
+(Where a one-node step's expected rate is at most ``learn_margin`` below a plain one's, it replaces
+the plain step: it keeps learning, at a bounded price.)
 This generalises vLLM's "disable speculation above a batch size" and SGLang's adaptive speculation:
 the batch size, the machine (:mod:`dart_ray.engine.cost`) and the workload all enter.
 
@@ -22,6 +26,10 @@ every ladder size ``m <= n_used``, what a tree cut to ``m`` nodes would have acc
 prefix of indices ``<= m`` (exact under greedy decoding, where the accepted path is the unique
 argmax chain). So one observed step updates the estimate of every smaller tree at once; estimates
 are exponential moving averages, so they follow a workload that changes.
+
+The same steps teach ``width``: a step that verified ``W`` draft nodes per row with budget
+``n_used`` would have verified ``min(W, m)`` with budget ``m <= n_used`` (nodes in priority order,
+the cut drops the columns no row uses). A size never verified is priced at its full width.
 
 **Exploration.** Sizes above the chosen one are only learned by trying them: every
 ``explore_every`` steps the controller verifies the next ladder size up (one rung, so a probe costs
@@ -75,20 +83,22 @@ class ControllerConfig:
     """Speculate only when the best tree's expected rate beats a plain step's by this fraction: the
     estimates are noisy, and a wrong "speculate" costs more than a missed small gain."""
     learn_margin: float = 0.1
-    """When the choice is a plain step but a one-node step costs at most this fraction more
-    (drafting ~free, one more token ~free), verify one node instead: a plain step learns nothing,
-    and acceptance that comes in bursts (prompt-lookup matches) would otherwise wait for the next,
-    ever rarer, probe. 0 disables. (On the Zen 4 in bf16, `ngram` on chat: 50.6 tok/s with
-    plain steps allowed, see BENCHMARKS.)"""
+    """When the choice is a plain step but a one-node step's expected rate (its acceptance
+    credited) is at most this fraction below a plain step's, verify one node instead: a plain step
+    learns nothing, and an estimate that noise pushed just under the bar (or acceptance that comes
+    in bursts, as prompt-lookup matches do) would otherwise wait for the next, ever rarer, probe.
+    With nothing accepted this is "a one-node step costs at most 1/(1 - margin) of a plain one".
+    0 disables. (On the Zen 4 in bf16, `ngram` on chat: 50.6 tok/s with plain steps allowed, and
+    once plain for 2,853 of 2,859 steps when the bar compared costs alone; see BENCHMARKS.)"""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0 or not 0.0 < self.timing_alpha <= 1.0:
             raise ValueError("alpha and timing_alpha must be in (0, 1]")
         if (self.explore_every < 1 or self.max_explore_every < self.explore_every
                 or self.warmup_steps < 0 or self.warmup_cost_ratio < 1.0 or self.min_gain < 0
-                or self.learn_margin < 0):
-            raise ValueError("explore_every >= 1, warmup_steps >= 0, warmup_cost_ratio >= 1 and "
-                             "min_gain, learn_margin >= 0 required")
+                or not 0.0 <= self.learn_margin < 1.0):
+            raise ValueError("explore_every >= 1, warmup_steps >= 0, warmup_cost_ratio >= 1, "
+                             "min_gain >= 0 and 0 <= learn_margin < 1 required")
 
 
 def ladder_upto(max_nodes: int) -> list[int]:
@@ -119,6 +129,9 @@ class SpeculationController:
     gain: dict[int, float] = field(default_factory=dict)
     """Ladder size m -> expected ``acc(m) - acc(m')`` (``m'`` the ladder size below m), from steps
     that verified both: the paired increment that prices sizes above the fresh ones."""
+    width: dict[int, float] = field(default_factory=dict)
+    """Ladder size n -> expected draft nodes per row the verify forward carries when the budget is
+    n (n for drafters that fill their budget; less for lookup drafters in a dry spell)."""
     fresh: int = 0
     """The largest size whose ``acc`` the last speculative step refreshed (0: none yet)."""
     seen: dict[int, int] = field(default_factory=dict)
@@ -141,6 +154,7 @@ class SpeculationController:
         again."""
         self.acc.clear()
         self.gain.clear()
+        self.width.clear()
         self.seen.clear()
         self.fresh = 0
         self.steps = 0
@@ -163,11 +177,16 @@ class SpeculationController:
         below = [m for m in self.acc if m < n]
         return self.acc[max(below)] if below else 0.0
 
+    def expected_width(self, n: int) -> float:
+        """width(n): draft nodes per row a budget-``n`` step is expected to verify; ``n`` until a
+        step with budget ``n`` or more has been seen (the pessimistic price)."""
+        return min(self.width.get(n, float(n)), float(n)) if n > 0 else 0.0
+
     def step_seconds(self, B: int, n: int, verify_s: float | None = None) -> float:
-        """Seconds of a step over ``B`` rows verifying ``n`` nodes (``verify_s``: the cost model's
-        ``verify_s(B, n + 1)``, when the caller has it already)."""
+        """Seconds of a step over ``B`` rows with budget ``n`` nodes (``verify_s``: the cost
+        model's ``verify_s(B, width(n) + 1)``, when the caller has it already)."""
         if verify_s is None:
-            verify_s = self.cost.verify_s(B, n + 1)
+            verify_s = self.cost.verify_s(B, self.expected_width(n) + 1)
         draft = 0.0
         if n > 0:
             draft = self.draft_s[B] if B in self.draft_s else self._nearest(self.draft_s, B, 0.0)
@@ -181,7 +200,7 @@ class SpeculationController:
 
     def best(self, B: int, max_nodes: int) -> int:
         sizes = ladder_upto(max_nodes)                                    # 0 (plain) first
-        verify = self.cost.verify_many(B, [n + 1 for n in sizes])
+        verify = self.cost.verify_many(B, [self.expected_width(n) + 1 for n in sizes])
         rate = {n: self.rate(B, n, v) for n, v in zip(sizes, verify, strict=True)}
         n = max(sizes, key=lambda n: (rate[n], -n))
         if n and rate[n] < (1.0 + self.config.min_gain) * rate[0]:
@@ -216,8 +235,10 @@ class SpeculationController:
         return n
 
     def _cheap_to_speculate(self, B: int) -> bool:
-        """A one-node step costs at most ``learn_margin`` more than a plain one (see the knob)."""
-        return self.step_seconds(B, 1) <= (1.0 + self.config.learn_margin) * self.step_seconds(B, 0)
+        """A one-node step's expected rate is at most ``learn_margin`` below a plain one's (see the
+        knob)."""
+        return (self.config.learn_margin > 0
+                and self.rate(B, 1) >= (1.0 - self.config.learn_margin) * self.rate(B, 0))
 
     def _warmup_size(self, B: int, max_nodes: int) -> int:
         sizes = [n for n in ladder_upto(max_nodes) if n > 0]
@@ -230,7 +251,8 @@ class SpeculationController:
     def record(self, B: int, n_used: int, accepted_paths: list[list[int]], draft_s: float,
                verify_s: float, tokens_per_row: int, overhead_s: float) -> None:
         """One decode step: ``accepted_paths[b]`` = accepted node indices of row b (root excluded);
-        ``n_used`` nodes were allowed; the forward covered ``tokens_per_row`` tokens per row."""
+        ``n_used`` nodes were allowed; the forward covered ``tokens_per_row`` tokens per row (the
+        root and the draft nodes the drafter proposed within the budget)."""
         self.cost.observe(B, tokens_per_row, verify_s)
         a = self.config.timing_alpha
         key = (B, n_used > 0)
@@ -246,6 +268,7 @@ class SpeculationController:
         rows = len(accepted_paths)
         w = 1.0 - (1.0 - self.config.alpha) ** rows
         below = 0.0                                            # this step's acc at the size below
+        verified = max(tokens_per_row - 1, 0)                  # draft nodes per row verified
         for m in ladder_upto(n_used):
             if m == 0:
                 continue
@@ -256,6 +279,7 @@ class SpeculationController:
             wm = max(w, rows / self.seen[m])
             self.acc[m] = _ema(self.acc.get(m), mean, wm)
             self.gain[m] = _ema(self.gain.get(m), mean - below, wm)
+            self.width[m] = _ema(self.width.get(m), float(min(verified, m)), wm)
             below = mean
         self.fresh = n_used
 
@@ -280,6 +304,7 @@ class SpeculationController:
         """What the controller believes now (stats, logs, tests)."""
         return {"last_choice": self.last_choice,
                 "acceptance": {n: self.expected_accepted(n) for n in sorted(self.acc)},
+                "width": {n: self.expected_width(n) for n in sorted(self.width)},
                 "draft_ms": {b: 1000 * s for b, s in sorted(self.draft_s.items())},
                 "overhead_ms": {f"{b}{'s' if sp else 'a'}": 1000 * s
                                 for (b, sp), s in sorted(self.overhead_s.items())}}

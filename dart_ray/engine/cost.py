@@ -100,11 +100,12 @@ class CostModel:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
 
     # ---- prediction ------------------------------------------------------------------------------
-    def verify_s(self, B: int, T: int) -> float:
-        """Predicted seconds of a verify forward over ``B`` rows x ``T`` tokens (T >= 1)."""
+    def verify_s(self, B: int, T: float) -> float:
+        """Predicted seconds of a verify forward over ``B`` rows x ``T`` tokens (T >= 1; a
+        fractional ``T`` is an expected width, priced on the piecewise-linear curve)."""
         return self.verify_many(B, (T,))[0]
 
-    def verify_many(self, B: int, Ts: Sequence[int]) -> list[float]:
+    def verify_many(self, B: int, Ts: Sequence[float]) -> list[float]:
         """:meth:`verify_s` of ``B`` rows for each of ``Ts``, reading the grid once (the
         controller prices every ladder size each step)."""
         rows: list[int] = []                             # batch sizes with measured cells

@@ -168,6 +168,54 @@ def test_a_plain_choice_verifies_one_node_where_that_is_nearly_free():
     assert dear.plan(1, 32) == 0
 
 
+def test_a_one_node_step_keeps_learning_where_its_acceptance_nearly_pays():
+    """The learning step credits acceptance: a node that costs 12 % of a plain step, accepted on 1
+    step in 6, loses ~4 % of a plain step's rate (under the speculation bar, but within
+    ``learn_margin``), so the controller keeps verifying it and so keeps the estimate fresh;
+    nothing accepted loses more than the margin, so the step stays plain."""
+    cost = CostModel.from_function(lambda b, t: 0.020 + 0.0024 * (t - 1), GRID_B, GRID_T)
+    near = SpeculationController(cost, ControllerConfig(warmup_steps=0))
+    trained(near, 1, [1, 0, 0, 0, 0, 0], 1, steps=120, draft_s=0.0003)
+    assert 0.1 < near.expected_accepted(1) < 0.25 and near.best(1, 8) == 0
+    assert near.plan(1, 8) == 1
+    dry = SpeculationController(cost, ControllerConfig(warmup_steps=0))
+    trained(dry, 1, [0], 1, steps=120, draft_s=0.0003)
+    assert dry.plan(1, 8) == 0
+    off = SpeculationController(cost, ControllerConfig(warmup_steps=0, learn_margin=0.0))
+    trained(off, 1, [1, 0, 0, 0, 0, 0], 1, steps=120, draft_s=0.0003)
+    assert off.plan(1, 8) == 0
+    with pytest.raises(ValueError):
+        ControllerConfig(learn_margin=1.0)
+
+
+def test_a_lookup_drafter_is_priced_by_the_nodes_it_proposes():
+    """Prompt lookup proposes nothing in a dry spell, and such a step costs a plain forward plus the
+    lookup, not a budget-n forward: the controller learns per budget how many nodes the forward
+    carries. Same acceptance from a drafter that fills its budget every step: not worth it."""
+    cost = CostModel.from_function(lambda b, t: 0.020 + 0.0018 * (t - 1), GRID_B, GRID_T)
+
+    def fed(hit_width: int, miss_width: int) -> SpeculationController:
+        ctrl = SpeculationController(cost, ControllerConfig(warmup_steps=0))
+        for i in range(100):           # one step in 10 finds a 4-token match, all of it accepted
+            hit = i % 10 == 0
+            ctrl.record(1, 4, [[1, 2, 3, 4] if hit else []], draft_s=0.0003, verify_s=0.0,
+                        tokens_per_row=1 + (hit_width if hit else miss_width), overhead_s=0.001)
+        return ctrl
+
+    lookup, full = fed(4, 0), fed(4, 4)
+    assert lookup.acc == pytest.approx(full.acc) and 0.2 < lookup.expected_accepted(4) < 0.6
+    assert lookup.expected_width(4) == pytest.approx(lookup.expected_accepted(4))
+    assert full.expected_width(4) == pytest.approx(4.0) and full.width[2] == pytest.approx(2.0)
+    assert lookup.best(1, 4) == 4 and full.best(1, 4) == 0
+    assert lookup.plan(1, 4) == 4
+    assert lookup.expected_width(6) == 6                        # never seen: its full width
+    ctrl = SpeculationController(flat_cost(), ControllerConfig(alpha=1.0))
+    ctrl.record(1, 8, [[1]], draft_s=0, verify_s=0, tokens_per_row=3, overhead_s=0)
+    assert ctrl.width == {1: 1, 2: 2, 3: 2, 4: 2, 6: 2, 8: 2}   # min(verified, m)
+    ctrl.reset_acceptance()
+    assert not ctrl.width
+
+
 def test_counterfactual_acceptance_per_tree_size():
     assert [accepted_within([1, 3, 7], m) for m in (1, 2, 3, 6, 7, 8)] == [1, 1, 2, 2, 3, 3]
     assert ladder_upto(10) == [0, 1, 2, 3, 4, 6, 8, 10] and ladder_upto(0) == [0]
