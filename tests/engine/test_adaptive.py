@@ -216,6 +216,21 @@ def test_a_lookup_drafter_is_priced_by_the_nodes_it_proposes():
     assert not ctrl.width
 
 
+def test_a_slow_first_drafting_time_does_not_keep_speculation_out():
+    """The first lookup can take 150 ms (a memory-mapped N-gram model paged in): priced at that, no
+    tree pays and the controller goes plain, where only probes refresh drafting time. The next
+    observation at normal speed replaces the outlier (times only ever get noise added), so the first
+    probe brings speculation back; ordinary variation is still averaged."""
+    cost = CostModel.from_function(lambda b, t: 0.020 + 0.0018 * (t - 1), GRID_B, GRID_T)
+    ctrl = SpeculationController(cost, ControllerConfig(warmup_steps=0, timing_alpha=0.1))
+    ctrl.record(1, 4, [[1, 2]], draft_s=0.150, verify_s=0.0, tokens_per_row=5, overhead_s=0.001)
+    assert ctrl.best(1, 4) == 0 and ctrl.plan(1, 4) == 0       # priced out by the outlier
+    ctrl.record(1, 4, [[1, 2]], draft_s=0.0006, verify_s=0.0, tokens_per_row=5, overhead_s=0.001)
+    assert ctrl.draft_s[1] == pytest.approx(0.0006) and ctrl.best(1, 4) >= 2
+    ctrl.record(1, 4, [[1, 2]], draft_s=0.0009, verify_s=0.0, tokens_per_row=5, overhead_s=0.001)
+    assert ctrl.draft_s[1] == pytest.approx(0.9 * 0.0006 + 0.1 * 0.0009)   # averaged, not taken
+
+
 def test_counterfactual_acceptance_per_tree_size():
     assert [accepted_within([1, 3, 7], m) for m in (1, 2, 3, 6, 7, 8)] == [1, 1, 2, 2, 3, 3]
     assert ladder_upto(10) == [0, 1, 2, 3, 4, 6, 8, 10] and ladder_upto(0) == [0]
