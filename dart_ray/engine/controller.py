@@ -89,7 +89,7 @@ class ControllerConfig:
     in bursts, as prompt-lookup matches do) would otherwise wait for the next, ever rarer, probe.
     With nothing accepted this is "a one-node step costs at most 1/(1 - margin) of a plain one".
     0 disables. (On the Zen 4 in bf16, `ngram` on chat: 50.6 tok/s with plain steps allowed, and
-    once plain for 2,853 of 2,859 steps when the bar compared costs alone; see BENCHMARKS.)"""
+    766 of 2,353 steps plain when the bar compared costs alone; see BENCHMARKS.)"""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0 or not 0.0 < self.timing_alpha <= 1.0:
