@@ -21,33 +21,41 @@ GRID_B, GRID_T = [1, 2, 4, 8, 16], [1, 2, 3, 5, 9, 17, 33, 65]
 PLAIN_S, DRAFT_S, OVERHEAD_S = 0.020, 0.0003, 0.001
 
 
+def verify_s(node_cost: float, tokens: float) -> float:
+    """The synthetic machine: a verify forward over ``tokens`` tokens of one row."""
+    return PLAIN_S * (1.0 + node_cost * (tokens - 1))
+
+
+def step_s(node_cost: float, n: int) -> float:
+    """One step verifying ``n`` draft nodes: drafting (none for a plain step), verify, overhead."""
+    return (DRAFT_S if n else 0.0) + verify_s(node_cost, n + 1) + OVERHEAD_S
+
+
 def simulate(node_cost: float, p: float, steps: int, seed: int,
              budget: int = 32) -> tuple[float, float]:
     """(rate / plain rate, fraction of plain steps) of one run."""
-    def curve(b: int, t: float) -> float:
-        return PLAIN_S * (1.0 + node_cost * (t - 1))
-
     rng = random.Random(seed)
-    ctrl = SpeculationController(CostModel.from_function(curve, GRID_B, GRID_T), ControllerConfig())
+    cost = CostModel.from_function(lambda b, t: verify_s(node_cost, t), GRID_B, GRID_T)
+    ctrl = SpeculationController(cost, ControllerConfig())
     seconds = tokens = plain = 0
     for _ in range(steps):
         n = ctrl.plan(1, budget)
         k = 0
         while k < n and rng.random() < p:
             k += 1
-        seconds += curve(1, n + 1) + (DRAFT_S if n else 0.0) + OVERHEAD_S
+        seconds += step_s(node_cost, n)
         tokens += 1 + k
         plain += n == 0
         ctrl.record(1, n, [list(range(1, k + 1))] if n else [], draft_s=DRAFT_S if n else 0.0,
                     verify_s=0.0, tokens_per_row=n + 1, overhead_s=OVERHEAD_S)
-    return tokens / seconds * (PLAIN_S + OVERHEAD_S), plain / steps
+    return tokens / seconds * step_s(node_cost, 0), plain / steps
 
 
 def best_static(node_cost: float, p: float, budget: int = 32) -> tuple[int, float]:
     """The fixed chain length with the highest expected rate, and that rate / plain rate."""
     def rel(n: int) -> float:
-        cost = PLAIN_S * (1.0 + node_cost * n) + (DRAFT_S if n else 0.0) + OVERHEAD_S
-        return (1.0 + sum(p ** i for i in range(1, n + 1))) / cost * (PLAIN_S + OVERHEAD_S)
+        accepted = sum(p ** i for i in range(1, n + 1))
+        return (1.0 + accepted) / step_s(node_cost, n) * step_s(node_cost, 0)
     n = max(range(budget + 1), key=rel)
     return n, rel(n)
 

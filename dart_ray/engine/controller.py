@@ -180,7 +180,7 @@ class SpeculationController:
     def expected_width(self, n: int) -> float:
         """width(n): draft nodes per row a budget-``n`` step is expected to verify; ``n`` until a
         step with budget ``n`` or more has been seen (the pessimistic price)."""
-        return min(self.width.get(n, float(n)), float(n)) if n > 0 else 0.0
+        return self.width.get(n, float(n))
 
     def step_seconds(self, B: int, n: int, verify_s: float | None = None) -> float:
         """Seconds of a step over ``B`` rows with budget ``n`` nodes (``verify_s``: the cost
@@ -198,11 +198,18 @@ class SpeculationController:
         """Expected committed tokens per second of a step over ``B`` rows verifying ``n`` nodes."""
         return B * (1.0 + self.expected_accepted(n)) / self.step_seconds(B, n, verify_s)
 
-    def best(self, B: int, max_nodes: int) -> int:
-        sizes = ladder_upto(max_nodes)                                    # 0 (plain) first
+    def rates(self, B: int, max_nodes: int) -> dict[int, float]:
+        """:meth:`rate` of every ladder size up to ``max_nodes`` (0, plain, first), the grid read
+        once."""
+        sizes = ladder_upto(max_nodes)
         verify = self.cost.verify_many(B, [self.expected_width(n) + 1 for n in sizes])
-        rate = {n: self.rate(B, n, v) for n, v in zip(sizes, verify, strict=True)}
-        n = max(sizes, key=lambda n: (rate[n], -n))
+        return {n: self.rate(B, n, v) for n, v in zip(sizes, verify, strict=True)}
+
+    def best(self, B: int, max_nodes: int, rates: dict[int, float] | None = None) -> int:
+        """The size with the highest expected rate (``rates``: :meth:`rates`, when the caller has
+        them), or 0 where it beats a plain step by less than ``min_gain``."""
+        rate = self.rates(B, max_nodes) if rates is None else rates
+        n = max(rate, key=lambda n: (rate[n], -n))
         if n and rate[n] < (1.0 + self.config.min_gain) * rate[0]:
             return 0
         return n
@@ -215,8 +222,9 @@ class SpeculationController:
         elif self.steps <= self.config.warmup_steps or not self.acc:
             n = self._warmup_size(B, max_nodes)
         else:
-            n = self.best(B, max_nodes)
-            if n == 0 and self._cheap_to_speculate(B):
+            rate = self.rates(B, max_nodes)
+            n = self.best(B, max_nodes, rate)
+            if n == 0 and self._learns(rate):
                 n = 1
             if self._probed_from is not None:
                 if n != self._probed_from:
@@ -234,11 +242,11 @@ class SpeculationController:
         self.last_choice = n
         return n
 
-    def _cheap_to_speculate(self, B: int) -> bool:
+    def _learns(self, rate: dict[int, float]) -> bool:
         """A one-node step's expected rate is at most ``learn_margin`` below a plain one's (see the
-        knob)."""
+        knob); ``rate``: :meth:`rates` (sizes 0 and 1 are always on the ladder)."""
         return (self.config.learn_margin > 0
-                and self.rate(B, 1) >= (1.0 - self.config.learn_margin) * self.rate(B, 0))
+                and rate[1] >= (1.0 - self.config.learn_margin) * rate[0])
 
     def _warmup_size(self, B: int, max_nodes: int) -> int:
         sizes = [n for n in ladder_upto(max_nodes) if n > 0]
