@@ -19,7 +19,7 @@ SIZES = ("adaptive", 2, 4, 8, 12, 16, 24)
 
 def _fixed(n: int):
     """A controller ``plan`` that always keeps ``n`` nodes (at most what the step allows)."""
-    return lambda B, max_nodes: min(n, max_nodes)
+    return lambda B, max_nodes, context=0: min(n, max_nodes)
 
 
 def main() -> None:

@@ -8,7 +8,8 @@ cache, pending context).
 Step protocol (rows ``0..B-1`` are the running requests)::
 
     prefill(rows, ...)         new requests joined at ``rows`` (after the target prefilled them)
-    tree = propose(view)       draft for every running row
+    c = context(view)          (adaptive engines) what the step can be told by before drafting
+    tree = propose(view)       draft for every running row (skipped on a plain step)
     ... target verifies, acceptance picks a path ...
     observe(view, ...)         what was committed this step (and the target taps of it)
     move_row(src, dst)         compaction when a request leaves
@@ -41,6 +42,14 @@ class BatchView:
     # draft nodes the engine keeps this step: it cuts the tree to its first ``max_nodes`` (priority
     # order), so a drafter may skip work that cannot reach them (None: the whole tree is kept)
     max_nodes: int | None = None
+    # the knobs before the cut to ``max_nodes`` (``decoding`` is then the budget-``max_nodes``
+    # search's); None: ``decoding`` is them
+    full_decoding: DecodingConfig | None = None
+    # set by ``propose`` (None: ``max_nodes``): per row, the largest budget m for which the first m
+    # nodes of the returned tree are the tree this drafter builds with budget m. A drafter that
+    # returns nodes beyond ``max_nodes`` on that promise (prompt lookup's trie) lets the engine
+    # learn bigger budgets' acceptance in hindsight (``dart_ray.engine.hindsight``)
+    exact_nodes: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -111,6 +120,15 @@ class Drafter(abc.ABC):
         """Rows ``rows`` were prefilled. taps: [n, T, nT*H] target taps at the prompt positions
         (None if ``self.taps`` is empty); next_tokens: [n, T] the token following each position
         (prompt shifted by one, then the first generated token at position len-1)."""
+
+    def context(self, view: BatchView) -> int:
+        """What this step's drafts can be told apart by before drafting, cheaply (0: nothing).
+
+        The adaptive controller keeps acceptance and timing estimates per context and plans each
+        step from its own: prompt lookup returns the suffix match length, since a step that
+        continues a 3-token match accepts far more, and drafts faster, than one with no match.
+        Called once per speculative-capable step, before :meth:`propose` on the same ``view``."""
+        return 0
 
     @abc.abstractmethod
     def propose(self, view: BatchView) -> TokenTree:

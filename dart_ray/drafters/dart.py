@@ -16,7 +16,7 @@ import torch
 
 from dart_ray.drafters.base import BatchView, Drafter, to_target_vocab
 from dart_ray.drafters.dart_model import DartModel
-from dart_ray.drafters.ngram import lookup_continuations
+from dart_ray.drafters.ngram import ViewLookups
 from dart_ray.kv_cache import KVCache
 from dart_ray.masks import attention_mask
 from dart_ray.tree import TokenTree, Trie, merge_tries, pack_tries
@@ -39,6 +39,7 @@ class DartDrafter(Drafter):
             self.head_weight = None
         self.ngram = ngram
         self.cache: KVCache | None = None
+        self.lookups = ViewLookups()
         self.lookup_only_steps = 0
         """Proposals whose kept nodes were all lookup paths (no drafter forward, no search)."""
         self.pending: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = []
@@ -171,8 +172,12 @@ class DartDrafter(Drafter):
         t0 = time.perf_counter()
         draft_s = 0.0
         # per row: the prompt-lookup paths' trie, which leads the merged tree
-        tries = ([Trie.of(paths) for paths in self._lookup_paths(view, decoding.lookup_len)]
+        tries = ([Trie.of(paths) for paths, _ in self._lookups(view)]
                  if decoding.lookup_paths else None)
+        self.lookups.clear()
+        if tries is not None and view.max_nodes is not None:
+            # the lookup nodes lead every budget's tree: exact as far as they go
+            view.exact_nodes = [max(view.max_nodes, len(t.tokens)) for t in tries]
         if (tries is not None and view.max_nodes is not None
                 and all(len(t.tokens) >= view.max_nodes for t in tries)):
             # the lookup nodes alone fill what the engine keeps in every row: DART's nodes would
@@ -196,9 +201,17 @@ class DartDrafter(Drafter):
     def max_tree_nodes(self, decoding) -> int:
         return decoding.tree_budget + decoding.lookup_paths * decoding.lookup_len
 
-    def _lookup_paths(self, view: BatchView, length: int) -> list[list[list[int]]]:
-        """Per row: continuations of the text's suffix found earlier in the same sequence."""
+    def context(self, view: BatchView) -> int:
+        """With prompt-lookup paths on: the shortest suffix match over the rows (0: some row has
+        none). A matched step's lookup path usually fills the small trees the controller picks,
+        so it also skips the drafter forward: its acceptance and its cost both differ."""
+        if not view.decoding.lookup_paths:
+            return 0
+        return min((k for _, k in self._lookups(view)), default=0)
+
+    def _lookups(self, view: BatchView) -> list[tuple[list[list[int]], int]]:
+        """Per row: continuations of the text's suffix found earlier in the same sequence, and the
+        suffix length matched."""
         decoding = view.decoding
-        return [lookup_continuations(seq, length, decoding.lookup_paths, max_match=3,
-                                     min_match=decoding.lookup_min_match)
-                for seq in view.sequences()]
+        return self.lookups.get(view, decoding.lookup_len, decoding.lookup_paths, max_match=3,
+                                min_match=decoding.lookup_min_match)

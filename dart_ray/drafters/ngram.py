@@ -20,6 +20,13 @@ def lookup_continuations(seq: np.ndarray, depth: int, max_cands: int, max_match:
                          min_match: int = 1) -> list[list[int]]:
     """Distinct continuations (most recent match first) of the suffix of ``seq`` found earlier in
     ``seq``."""
+    return lookup_match(seq, depth, max_cands, max_match, min_match)[0]
+
+
+def lookup_match(seq: np.ndarray, depth: int, max_cands: int, max_match: int = 3,
+                 min_match: int = 1) -> tuple[list[list[int]], int]:
+    """:func:`lookup_continuations` and the length of the suffix they continue (0: none found).
+    The longest suffix (``max_match`` down to ``min_match`` tokens) that occurred earlier wins."""
     n = len(seq)
     out: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
@@ -38,10 +45,38 @@ def lookup_continuations(seq: np.ndarray, depth: int, max_cands: int, max_match:
             seen.add(key)
             out.append(list(key))
             if len(out) >= max_cands:
-                return out
+                return out, k
         if out:
-            return out  # prefer the longest matching suffix
-    return out
+            return out, k  # prefer the longest matching suffix
+    return out, 0
+
+
+class ViewLookups:
+    """Prompt lookups of one step, computed once: a drafter's :meth:`~Drafter.context` finds them
+    (their match lengths are the step's context) before the controller plans the step, and its
+    ``propose`` reuses them. Keyed on the :class:`BatchView` object and the search knobs; a call
+    for a shallower depth than the cached one reuses it, each path cut to that depth."""
+
+    def __init__(self) -> None:
+        self._view: BatchView | None = None
+        self._key: tuple[int, int, int] | None = None
+        self._depth = 0
+        self._found: list[tuple[list[list[int]], int]] = []
+
+    def get(self, view: BatchView, depth: int, max_cands: int, max_match: int,
+            min_match: int) -> list[tuple[list[list[int]], int]]:
+        """Per row: (continuations, suffix length matched) of :func:`lookup_match`."""
+        key = (max_cands, max_match, min_match)
+        if self._view is not view or self._key != key or depth > self._depth:
+            self._found = [lookup_match(seq, depth, max_cands, max_match, min_match)
+                           for seq in view.sequences()]
+            self._view, self._key, self._depth = view, key, depth
+        if depth == self._depth:
+            return self._found
+        return [([p[:depth] for p in paths], k) for paths, k in self._found]
+
+    def clear(self) -> None:
+        self._view, self._found = None, []
 
 
 class NGramDrafter(Drafter):
@@ -53,17 +88,29 @@ class NGramDrafter(Drafter):
         self.ngram = ngram_model
         self.max_match = max_match
         self.min_match = min_match
+        self.lookups = ViewLookups()
+
+    def _lookups(self, view: BatchView, depth: int) -> list[tuple[list[list[int]], int]]:
+        return self.lookups.get(view, min(depth, self.max_draft_depth), view.decoding.beam_width,
+                                self.max_match, self.min_match)
+
+    def context(self, view: BatchView) -> int:
+        """The shortest suffix match over the rows (0: some row has none and drafts from the
+        corpus N-gram model): steps that copy from a 3-token match accept far more."""
+        return min((k for _, k in self._lookups(view, view.decoding.draft_depth)), default=0)
 
     def propose(self, view: BatchView) -> TokenTree:
-        decoding = view.decoding
+        # the whole trie of the configured knobs, whatever the engine keeps: its first m nodes are
+        # the budget-m trie, so the engine learns bigger budgets in hindsight
+        decoding = view.full_decoding or view.decoding
         depth = min(decoding.draft_depth, self.max_draft_depth)
         trees = []
-        for seq in view.sequences():
-            paths = lookup_continuations(seq, depth, decoding.beam_width, self.max_match,
-                                         self.min_match)
+        for seq, (paths, _) in zip(view.sequences(), self._lookups(view, depth), strict=True):
             if not paths and self.ngram is not None:
                 paths = [self._corpus_chain(seq, depth, decoding.ngram_min_count)]
             trees.append(trie_from_paths(paths, decoding.tree_budget))
+        self.lookups.clear()
+        view.exact_nodes = [decoding.tree_budget] * len(trees)
         return pack_trees(view.roots, trees)
 
     def _corpus_chain(self, seq: np.ndarray, depth: int, min_count: int) -> list[int]:

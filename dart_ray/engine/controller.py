@@ -2,7 +2,7 @@
 
 A step over ``B`` rows that verifies ``n`` draft nodes per row costs (on this machine)::
 
-    cost(B, n) = draft(B) [0 when n = 0]  +  verify(B, width(n) + 1)  +  overhead(B)
+    cost(B, n) = draft(B, n) [0 when n = 0]  +  verify(B, width(n) + 1)  +  overhead(B)
 
 and commits ``B * (1 + acc(n))`` tokens, where ``acc(n)`` is the expected number of accepted draft
 tokens per row when the tree is cut to its first ``n`` nodes, and ``width(n) <= n`` the expected
@@ -47,8 +47,19 @@ steps that verified ``m`` or more nodes: both terms from the same steps, so the 
 whatever the workload's level. A size above the largest one verified at the last speculative step is
 priced as that size's fresh estimate plus the increments above it.
 
-Drafting, tree search and the per-step overhead (acceptance, commit, emission) are measured online
-per batch size; the verify cost comes from the measured cost model, refined by every step.
+Drafting and tree search are measured online per batch size and budget, the per-step overhead
+(acceptance, commit, emission) per batch size; the verify cost comes from the measured cost model,
+refined by every step.
+
+**Contexts.** :class:`ContextualController` keeps one such controller per drafting context (what
+the drafter can tell about a step before drafting it, :meth:`Drafter.context
+<dart_ray.drafters.base.Drafter.context>`: prompt lookup's suffix match length), so a step that
+continues a copy and one that drafts from nothing are priced from their own estimates.
+
+**Hindsight.** Where the drafter's tree is prefix-exact beyond the cut (prompt lookup's trie),
+:mod:`dart_ray.engine.hindsight` follows the accepted path past it through the next steps' tokens,
+and :meth:`SpeculationController.learn` takes every budget up to where the tree is exact: bigger
+trees are learned without verifying them.
 """
 
 from __future__ import annotations
@@ -136,10 +147,14 @@ class SpeculationController:
     """The largest size whose ``acc`` the last speculative step refreshed (0: none yet)."""
     seen: dict[int, int] = field(default_factory=dict)
     """Ladder size m -> row-steps that observed it (early estimates are plain means)."""
-    draft_s: dict[int, float] = field(default_factory=dict)
-    """Batch size -> seconds of drafting + tree search per step (moving average)."""
+    draft_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(batch size, budget) -> seconds of drafting + tree search per step (moving average). Per
+    budget: DART skips its forward where the lookup paths fill the budget (~0.5 ms against ~5 ms
+    on the Zen 4), and searches deeper for bigger budgets."""
     overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
     """(batch size, speculated?) -> seconds of acceptance + commit + emission per step."""
+    timed: dict[tuple[str, tuple], int] = field(default_factory=dict)
+    """("draft_s" or "overhead_s", key) -> observations behind that entry (:func:`_timing_ema`)."""
     steps: int = 0
     """Decode steps planned since the last reset."""
     last_choice: int = 0
@@ -187,12 +202,26 @@ class SpeculationController:
         model's ``verify_s(B, width(n) + 1)``, when the caller has it already)."""
         if verify_s is None:
             verify_s = self.cost.verify_s(B, self.expected_width(n) + 1)
-        draft = 0.0
-        if n > 0:
-            draft = self.draft_s[B] if B in self.draft_s else self._nearest(self.draft_s, B, 0.0)
+        draft = self.drafting_seconds(B, n) if n > 0 else 0.0
         key = (B, n > 0)
         over = self.overhead_s[key] if key in self.overhead_s else self._nearest_over(B, n > 0)
         return draft + verify_s + over
+
+    def drafting_seconds(self, B: int, n: int) -> float:
+        """Drafting + search time of a budget-``n`` step over ``B`` rows: observed, else the
+        nearest budget observed at this batch size (the smaller one on a tie), else the nearest
+        batch size's, scaled by rows (0 before any observation: biased toward speculating,
+        which then gets measured)."""
+        if (B, n) in self.draft_s:
+            return self.draft_s[(B, n)]
+        same = [m for b, m in self.draft_s if b == B]
+        if same:
+            return self.draft_s[(B, min(same, key=lambda m: (abs(m - n), m)))]
+        per_b: dict[int, float] = {}
+        for (b, m), s in self.draft_s.items():
+            if b not in per_b or abs(m - n) < abs(per_b[b][0] - n):
+                per_b[b] = (m, s)
+        return self._nearest({b: s for b, (_, s) in per_b.items()}, B, 0.0)
 
     def rate(self, B: int, n: int, verify_s: float | None = None) -> float:
         """Expected committed tokens per second of a step over ``B`` rows verifying ``n`` nodes."""
@@ -256,42 +285,74 @@ class SpeculationController:
         return max(fits) if fits else 1
 
     # ---- learning --------------------------------------------------------------------------------
-    def record(self, B: int, n_used: int, accepted_paths: list[list[int]], draft_s: float,
-               verify_s: float, tokens_per_row: int, overhead_s: float) -> None:
+    def record(self, B: int, n_used: int, accepted_paths: list[list[int]] | None, draft_s: float,
+               verify_s: float, tokens_per_row: int, overhead_s: float,
+               after_plain: bool | None = None, known: int | None = None,
+               full_width: int | None = None) -> None:
         """One decode step: ``accepted_paths[b]`` = accepted node indices of row b (root excluded);
         ``n_used`` nodes were allowed; the forward covered ``tokens_per_row`` tokens per row (the
-        root and the draft nodes the drafter proposed within the budget)."""
+        root and the draft nodes the drafter proposed within the budget). ``after_plain``: the
+        engine's previous step was plain (its drafting then included a catch-up); None = this
+        controller's previous step was.
+
+        Hindsight (:mod:`dart_ray.engine.hindsight`): ``known`` (>= ``n_used``) is the largest
+        budget whose tree is the first nodes of this step's uncut tree, ``full_width`` that tree's
+        draft nodes (the widest row); ``accepted_paths`` None = the acceptance comes later through
+        :meth:`learn`, once the text after the step has shown how far the paths went."""
         self.cost.observe(B, tokens_per_row, verify_s)
-        a = self.config.timing_alpha
-        key = (B, n_used > 0)
-        self.overhead_s[key] = _timing_ema(self.overhead_s.get(key), overhead_s, a)
-        caught_up = self._last_used == 0
+        self._time("overhead_s", (B, n_used > 0), overhead_s)
+        caught_up = self._last_used == 0 if after_plain is None else after_plain
         self._last_used = n_used
-        if n_used <= 0 or not accepted_paths:
+        if n_used <= 0 or accepted_paths == []:
             return
         # after plain steps the drafter also caught up on them: not a drafting cost
         if not caught_up:
-            self.draft_s[B] = _timing_ema(self.draft_s.get(B), draft_s, a)
-        # a batch step weighs B row-steps
+            self._time("draft_s", (B, n_used), draft_s)
+        known = n_used if known is None else known
+        # a budget-m step verifies min(full, m) draft nodes per row (the cut drops the columns no
+        # row uses), for every budget the uncut tree is exact for
+        full = max(tokens_per_row - 1, 0) if full_width is None else full_width
+        w = self._weight(B, ladder_upto(known))
+        for m in ladder_upto(known):
+            if m:
+                self.width[m] = _ema(self.width.get(m), float(min(full, m)), w[m])
+        if accepted_paths is not None:
+            self.learn(accepted_paths, known)
+
+    def learn(self, accepted_paths: list[list[int]], known: int) -> None:
+        """Acceptance of one speculative step: ``accepted_paths[b]`` = the node indices row b's
+        tree accepted (root excluded), exact for every budget up to ``known`` nodes."""
         rows = len(accepted_paths)
-        w = 1.0 - (1.0 - self.config.alpha) ** rows
+        if rows == 0:
+            return
+        sizes = ladder_upto(known)
+        w = self._weight(rows, sizes)
         below = 0.0                                            # this step's acc at the size below
-        verified = max(tokens_per_row - 1, 0)                  # draft nodes per row verified
-        for m in ladder_upto(n_used):
+        for m in sizes:
             if m == 0:
                 continue
             mean = sum(accepted_within(p, m) for p in accepted_paths) / rows
-            # a plain mean until 1/alpha row-steps are seen, the moving average after: the first
-            # observation of a size (often a single probe) must not stand in for its average
             self.seen[m] = self.seen.get(m, 0) + rows
-            wm = max(w, rows / self.seen[m])
-            self.acc[m] = _ema(self.acc.get(m), mean, wm)
-            self.gain[m] = _ema(self.gain.get(m), mean - below, wm)
-            self.width[m] = _ema(self.width.get(m), float(min(verified, m)), wm)
+            self.acc[m] = _ema(self.acc.get(m), mean, w[m])
+            self.gain[m] = _ema(self.gain.get(m), mean - below, w[m])
             below = mean
-        self.fresh = n_used
+        self.fresh = known
+
+    def _weight(self, rows: int, sizes: list[int]) -> dict[int, float]:
+        """Moving-average weight of a ``rows``-row observation of each size: a batch step weighs
+        ``rows`` row-steps, and a size seen fewer than 1/alpha row-steps takes a plain mean (its
+        first observation, often a single probe, must not stand in for its average)."""
+        w = 1.0 - (1.0 - self.config.alpha) ** rows
+        return {m: max(w, rows / (self.seen.get(m, 0) + rows)) for m in sizes}
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _time(self, name: str, key: tuple, seconds: float) -> None:
+        """Fold one observation into ``self.<name>[key]`` (``draft_s`` or ``overhead_s``)."""
+        table = getattr(self, name)
+        seen = self.timed.get((name, key), 0)
+        table[key] = _timing_ema(table.get(key), seconds, self.config.timing_alpha, seen)
+        self.timed[(name, key)] = seen + 1
+
     @staticmethod
     def _nearest(d: dict[int, float], B: int, default: float) -> float:
         if not d:
@@ -313,19 +374,82 @@ class SpeculationController:
         return {"last_choice": self.last_choice,
                 "acceptance": {n: self.expected_accepted(n) for n in sorted(self.acc)},
                 "width": {n: self.expected_width(n) for n in sorted(self.width)},
-                "draft_ms": {b: 1000 * s for b, s in sorted(self.draft_s.items())},
+                "draft_ms": {f"{b}:{n}": 1000 * s for (b, n), s in sorted(self.draft_s.items())},
                 "overhead_ms": {f"{b}{'s' if sp else 'a'}": 1000 * s
                                 for (b, sp), s in sorted(self.overhead_s.items())}}
+
+
+@dataclass
+class ContextualController:
+    """One :class:`SpeculationController` per drafting context (:meth:`Drafter.context
+    <dart_ray.drafters.base.Drafter.context>`), all pricing verify forwards with the same measured
+    cost model. Each context learns its own acceptance, widths and drafting time and plans its own
+    steps; a drafter without contexts has one (0), which is exactly a SpeculationController.
+
+    Why: prompt lookup's acceptance is bimodal. On HumanEval (Zen 4, bf16, DART with lookup paths)
+    55 % of steps continued a suffix match and the rest drafted from the model alone; one average
+    priced both at 2-3 nodes, cutting the 10-token lookup paths to 3."""
+
+    cost: CostModel
+    config: ControllerConfig = field(default_factory=ControllerConfig)
+    by_context: dict[int, SpeculationController] = field(default_factory=dict)
+    """Context -> its controller (created on first use)."""
+    last_context: int = 0
+    """The context of the last planned step."""
+    _last_used: int = -1
+
+    def __getitem__(self, context: int) -> SpeculationController:
+        if context not in self.by_context:
+            self.by_context[context] = SpeculationController(self.cost, self.config)
+        return self.by_context[context]
+
+    @property
+    def last_choice(self) -> int:
+        """The size chosen at the last step."""
+        return self[self.last_context].last_choice
+
+    def plan(self, B: int, max_nodes: int, context: int = 0) -> int:
+        """Draft nodes to verify this step (0 = plain), planned by ``context``'s controller."""
+        self.last_context = context
+        return self[context].plan(B, max_nodes)
+
+    def record(self, B: int, n_used: int, accepted_paths: list[list[int]] | None, draft_s: float,
+               verify_s: float, tokens_per_row: int, overhead_s: float,
+               context: int = 0, known: int | None = None,
+               full_width: int | None = None) -> None:
+        """:meth:`SpeculationController.record` for the step planned in ``context``."""
+        self[context].record(B, n_used, accepted_paths, draft_s, verify_s, tokens_per_row,
+                             overhead_s, after_plain=self._last_used == 0, known=known,
+                             full_width=full_width)
+        self._last_used = n_used
+
+    def learn(self, context: int, accepted_paths: list[list[int]], known: int) -> None:
+        """:meth:`SpeculationController.learn` for a step planned in ``context``."""
+        self[context].learn(accepted_paths, known)
+
+    def reset_acceptance(self) -> None:
+        """Forget every context's acceptance (the decoding knobs changed)."""
+        for c in self.by_context.values():
+            c.reset_acceptance()
+
+    def snapshot(self) -> dict:
+        """Each context's :meth:`SpeculationController.snapshot` (stats, logs, tests)."""
+        return {c: ctl.snapshot() for c, ctl in sorted(self.by_context.items())}
 
 
 def _ema(old: float | None, new: float, a: float) -> float:
     return new if old is None else (1.0 - a) * old + a * new
 
 
-def _timing_ema(old: float | None, new: float, a: float) -> float:
+def _timing_ema(old: float | None, new: float, a: float, seen: int) -> float:
     """A time's moving average that an outlier cannot hold up: on a CPU, noise only adds time (a
-    page fault, the first use of a memory-mapped N-gram model, preemption), so an estimate above
-    twice a fresh observation was an outlier and the observation replaces it. Speculative steps
-    alone refresh drafting time, and a plain choice stops them: a 150 ms first lookup once priced
-    every tree out and kept `ngram` plain for 2,342 of 2,348 HumanEval steps."""
-    return new if old is None or new < 0.5 * old else (1.0 - a) * old + a * new
+    page fault, the first use of a memory-mapped N-gram model, preemption). While an estimate rests
+    on fewer than ``1/a`` observations, one above twice a fresh observation was an outlier and the
+    observation replaces it (a 150 ms first lookup once priced every tree out and kept `ngram` plain
+    for 2,342 of 2,348 HumanEval steps: speculative steps alone refresh drafting time, and a plain
+    choice stops them). After that an observation counts at most 10x the estimate, so the average
+    of a time that is bimodal by nature (lookup-only steps and drafter forwards) stays its mean
+    instead of following the fast mode down."""
+    if old is None or (seen < 1.0 / a and new < 0.5 * old):
+        return new
+    return (1.0 - a) * old + a * min(new, 10.0 * old)

@@ -27,9 +27,10 @@ import torch
 
 from dart_ray.config import DecodingConfig, EngineConfig, SamplingParams
 from dart_ray.drafters.base import BatchView, Drafter
-from dart_ray.engine.controller import SpeculationController
+from dart_ray.engine.controller import ContextualController, ladder_upto
 from dart_ray.engine.cost import TOKEN_GRID, CostModel, batch_grid, load_or_measure
 from dart_ray.engine.detok import RequestText
+from dart_ray.engine.hindsight import Hindsight, HindsightStep
 from dart_ray.engine.metrics import EngineStats
 from dart_ray.engine.request import Completion, Request, RequestOutput
 from dart_ray.hardware import DTypeChoice, Fingerprint, synchronize
@@ -120,9 +121,10 @@ class Engine:
         self.metrics = EngineStats()
         self.eos_ids = frozenset(self._eos_ids())
         self._maybe_pack(config.pack_weights)
-        self.controller: SpeculationController | None = None
+        self.controller: ContextualController | None = None
+        self.hindsight = Hindsight()
         if config.adaptive and self.scratch > 0:
-            self.controller = SpeculationController(cost_model or self._measured_cost_model())
+            self.controller = ContextualController(cost_model or self._measured_cost_model())
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -350,20 +352,27 @@ class Engine:
         dev = self.device
         decoding = self.decoding_for(B)
         max_nodes = min(self.drafter.max_tree_nodes(decoding), self.scratch)
-        n = self.controller.plan(B, max_nodes) if self.controller is not None else max_nodes
         t0 = time.perf_counter()
         tree_before = self.drafter.tree_time_s
         roots = torch.tensor([r.root for r in reqs], dtype=torch.long, device=dev)
         view = BatchView(roots=roots, lengths=self.cache.lengths[:B], tokens=self.tokens,
                          decoding=decoding, params=[r.params for r in reqs],
                          generators=[r.generator for r in reqs])
+        context = 0                                                            # plan
+        if self.controller is None:
+            n = max_nodes
+        else:
+            if max_nodes > 0:
+                context = self.drafter.context(view)
+            n = self.controller.plan(B, max_nodes, context)
         if n > 0:
             if n < max_nodes:            # a small tree: the first n nodes of a budget-n search
-                view.decoding = _first_nodes_knobs(decoding, n)
+                view.full_decoding, view.decoding = decoding, _first_nodes_knobs(decoding, n)
                 view.max_nodes = n
-            tree = self.drafter.propose(view).truncate(n)                      # draft + tree search
+            full = self.drafter.propose(view)                                  # draft + tree search
+            tree = full.truncate(n)
         else:
-            tree = empty_tree(roots)                                           # a plain AR step
+            full = tree = empty_tree(roots)                                    # a plain AR step
             m.ar_steps += 1
         t1 = time.perf_counter()
         tree_dt = self.drafter.tree_time_s - tree_before
@@ -392,17 +401,42 @@ class Engine:
             r.stats.record(n_draft[b], k)
             m.record_row(n_draft[b], k, depth[b])
             r.root = bonus[b]
-            if self._emit(r, path_tokens[b][1:k + 1] + [bonus[b]], outputs, detokenize):
+            new_ids = path_tokens[b][1:k + 1] + [bonus[b]]
+            if self.controller is not None:      # earlier steps' paths past their cut go on
+                self._learn(self.hindsight.feed(r.request_id, new_ids))
+            if self._emit(r, new_ids, outputs, detokenize):
                 finished.append(r)
+        known, now = n, None      # budgets this step teaches; its paths, if known already
+        if self.controller is not None and n > 0:
+            paths = [p[1:k] for p, k in zip(acc.path.tolist(), num_committed, strict=True)]
+            known = self._known(view, n, max_nodes)
+            step = self.hindsight.begin(context, known, n, full, acc.path, acc.num_accepted
+                                        .tolist(), bonus, paths, [r.request_id for r in reqs])
+            now = step.paths if step.done else None      # else learned when the paths end
         if finished:
             self._release(finished)
         t4 = time.perf_counter()
         m.other_s += t4 - t3
         if self.controller is not None:
-            paths = [p[1:k] for p, k in zip(acc.path.tolist(), num_committed,
-                                            strict=True)] if n > 0 else []
-            self.controller.record(B, n, paths, draft_s=t1 - t0, verify_s=t2 - t1,
-                                   tokens_per_row=tree.num_nodes, overhead_s=t4 - t2)
+            # a plain step's context (its lookups) is overhead; a speculative step's, drafting
+            self.controller.record(B, n, now, draft_s=t1 - t0, verify_s=t2 - t1,
+                                   tokens_per_row=tree.num_nodes,
+                                   overhead_s=t4 - t2 + (t1 - t0 if n == 0 else 0.0),
+                                   context=context, known=known, full_width=full.num_nodes - 1)
+
+    @staticmethod
+    def _known(view: BatchView, n: int, max_nodes: int) -> int:
+        """The largest ladder budget (<= ``max_nodes``) whose tree is the first nodes of every
+        row's uncut tree this step (the drafter's ``exact_nodes``), at least the ``n`` verified."""
+        if view.exact_nodes is None or n >= max_nodes:
+            return n
+        k = min(min(view.exact_nodes), max_nodes)
+        return max([n] + [s for s in ladder_upto(max_nodes) if s <= k])
+
+    def _learn(self, steps: list[HindsightStep]) -> None:
+        """Steps whose paths past the cut have ended: the controller learns their acceptance."""
+        for s in steps:
+            self.controller.learn(s.context, s.paths, s.known)
 
     def _verify(self, tree: TokenTree) -> tuple[NodeLogits, torch.Tensor | None]:
         """One target forward over [root, tree]; the LM head only where acceptance can use it."""
@@ -499,6 +533,8 @@ class Engine:
                 self.running[row] = moved
                 moved.row = row
             self.running.pop()
+            if self.controller is not None:
+                self._learn(self.hindsight.end(r.request_id))
             self.cache.reset_row(last)
             self.drafter.release_row(last)
             r.row = -1

@@ -13,6 +13,7 @@ from conftest import MIXED_PROMPTS
 from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
 from dart_ray.drafters import make_drafter
 from dart_ray.engine.controller import (
+    ContextualController,
     ControllerConfig,
     SpeculationController,
     accepted_within,
@@ -226,9 +227,31 @@ def test_a_slow_first_drafting_time_does_not_keep_speculation_out():
     ctrl.record(1, 4, [[1, 2]], draft_s=0.150, verify_s=0.0, tokens_per_row=5, overhead_s=0.001)
     assert ctrl.best(1, 4) == 0 and ctrl.plan(1, 4) == 0       # priced out by the outlier
     ctrl.record(1, 4, [[1, 2]], draft_s=0.0006, verify_s=0.0, tokens_per_row=5, overhead_s=0.001)
-    assert ctrl.draft_s[1] == pytest.approx(0.0006) and ctrl.best(1, 4) >= 2
+    assert ctrl.draft_s[(1, 4)] == pytest.approx(0.0006) and ctrl.best(1, 4) >= 2
     ctrl.record(1, 4, [[1, 2]], draft_s=0.0009, verify_s=0.0, tokens_per_row=5, overhead_s=0.001)
-    assert ctrl.draft_s[1] == pytest.approx(0.9 * 0.0006 + 0.1 * 0.0009)   # averaged, not taken
+    assert ctrl.draft_s[(1, 4)] == pytest.approx(0.9 * 0.0006 + 0.1 * 0.0009)  # averaged
+
+
+def test_drafting_time_is_priced_per_budget_and_by_its_mean():
+    """DART skips its forward where the lookup paths fill the budget: a small budget drafts in
+    0.5 ms, a bigger one in 5 ms, and one average would price both alike. Within a budget the time
+    can be bimodal too (the paths fill it on some steps): the estimate is the mean, not the fast
+    mode that replacing every "outlier" above twice an observation would follow."""
+    ctrl = SpeculationController(flat_cost(), ControllerConfig(warmup_steps=0))
+    for _ in range(20):
+        for n, t in ((4, 0.0005), (12, 0.005)):
+            ctrl.record(1, n, [[1]], draft_s=t, verify_s=0.0, tokens_per_row=n + 1,
+                        overhead_s=0.001)
+    assert ctrl.drafting_seconds(1, 4) == pytest.approx(0.0005)
+    assert ctrl.drafting_seconds(1, 12) == pytest.approx(0.005)
+    assert ctrl.drafting_seconds(1, 8) == pytest.approx(0.0005)      # a tie: the smaller budget
+    assert ctrl.drafting_seconds(1, 24) == pytest.approx(0.005)      # the nearest budget
+    assert ctrl.drafting_seconds(2, 12) == pytest.approx(0.010)      # another batch: scaled
+    mixed = SpeculationController(flat_cost(), ControllerConfig(warmup_steps=0))
+    for i in range(200):
+        mixed.record(1, 8, [[1]], draft_s=0.0005 if i % 2 else 0.005, verify_s=0.0,
+                     tokens_per_row=9, overhead_s=0.001)
+    assert 0.002 < mixed.drafting_seconds(1, 8) < 0.0035              # the mean is 2.75 ms
 
 
 def test_counterfactual_acceptance_per_tree_size():
@@ -287,14 +310,14 @@ def test_small_tree_knobs_are_the_budget_n_knobs_built_once():
 
 # ---- exactness with the controller on ------------------------------------------------------------
 
-class FlipController(SpeculationController):
+class FlipController(ContextualController):
     """Alternates plain and speculative steps in a fixed pattern (exercises skip + catch-up)."""
 
     def __init__(self, pattern):
         super().__init__(flat_cost())
-        self.pattern = pattern
+        self.pattern, self.steps = pattern, 0
 
-    def plan(self, B, max_nodes):
+    def plan(self, B, max_nodes, context=0):
         self.steps += 1
         return min(self.pattern[(self.steps - 1) % len(self.pattern)], max_nodes)
 
@@ -335,14 +358,14 @@ class Recorder:
         return tree
 
 
-class PauseUntil(SpeculationController):
+class PauseUntil(ContextualController):
     """Plain steps from the 2nd step until row 0's committed length reaches ``resume_at``."""
 
     def __init__(self, engine, resume_at):
         super().__init__(flat_cost())
-        self.engine, self.resume_at = engine, resume_at
+        self.engine, self.resume_at, self.steps = engine, resume_at, 0
 
-    def plan(self, B, max_nodes):
+    def plan(self, B, max_nodes, context=0):
         self.steps += 1
         if self.steps >= 2 and self.engine.cache.lengths[0] < self.resume_at:
             return 0
@@ -523,9 +546,9 @@ def test_controller_biases_unknowns_toward_plain_steps():
     ctrl.record(1, 0, [], draft_s=0.0, verify_s=0.02, tokens_per_row=1, overhead_s=0.003)
     # catch-up
     ctrl.record(1, 4, [[1]], draft_s=0.5, verify_s=0.02, tokens_per_row=5, overhead_s=0.01)
-    assert ctrl.draft_s[1] == pytest.approx(0.002)
+    assert ctrl.draft_s[(1, 4)] == pytest.approx(0.002)
     ctrl.record(1, 4, [[1]], draft_s=0.003, verify_s=0.02, tokens_per_row=5, overhead_s=0.01)
-    assert ctrl.draft_s[1] == pytest.approx(0.003)
+    assert ctrl.draft_s[(1, 4)] == pytest.approx(0.003)
 
 
 def test_stop_trim_keeps_a_split_utf8_character(tiny):
