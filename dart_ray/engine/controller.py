@@ -64,6 +64,7 @@ trees are learned without verifying them.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from dart_ray.engine.cost import CostModel
@@ -392,13 +393,15 @@ class ContextualController:
 
     cost: CostModel
     config: ControllerConfig = field(default_factory=ControllerConfig)
-    by_context: dict[int, SpeculationController] = field(default_factory=dict)
-    """Context -> its controller (created on first use)."""
-    last_context: int = 0
+    by_context: dict[Hashable, SpeculationController] = field(default_factory=dict)
+    """Context -> its controller (created on first use). The engine's contexts are
+    ``(Drafter.context(view), running)``: ``running`` when every row's previous path went on past
+    its cut (:meth:`Hindsight.running <dart_ray.engine.hindsight.Hindsight.running>`)."""
+    last_context: Hashable = 0
     """The context of the last planned step."""
     _last_used: int = -1
 
-    def __getitem__(self, context: int) -> SpeculationController:
+    def __getitem__(self, context: Hashable) -> SpeculationController:
         if context not in self.by_context:
             self.by_context[context] = SpeculationController(self.cost, self.config)
         return self.by_context[context]
@@ -408,14 +411,14 @@ class ContextualController:
         """The size chosen at the last step."""
         return self[self.last_context].last_choice
 
-    def plan(self, B: int, max_nodes: int, context: int = 0) -> int:
+    def plan(self, B: int, max_nodes: int, context: Hashable = 0) -> int:
         """Draft nodes to verify this step (0 = plain), planned by ``context``'s controller."""
         self.last_context = context
         return self[context].plan(B, max_nodes)
 
     def record(self, B: int, n_used: int, accepted_paths: list[list[int]] | None, draft_s: float,
                verify_s: float, tokens_per_row: int, overhead_s: float,
-               context: int = 0, known: int | None = None,
+               context: Hashable = 0, known: int | None = None,
                full_width: int | None = None) -> None:
         """:meth:`SpeculationController.record` for the step planned in ``context``."""
         self[context].record(B, n_used, accepted_paths, draft_s, verify_s, tokens_per_row,
@@ -423,7 +426,7 @@ class ContextualController:
                              full_width=full_width)
         self._last_used = n_used
 
-    def learn(self, context: int, accepted_paths: list[list[int]], known: int) -> None:
+    def learn(self, context: Hashable, accepted_paths: list[list[int]], known: int) -> None:
         """:meth:`SpeculationController.learn` for a step planned in ``context``."""
         self[context].learn(accepted_paths, known)
 
@@ -434,7 +437,7 @@ class ContextualController:
 
     def snapshot(self) -> dict:
         """Each context's :meth:`SpeculationController.snapshot` (stats, logs, tests)."""
-        return {c: ctl.snapshot() for c, ctl in sorted(self.by_context.items())}
+        return {c: ctl.snapshot() for c, ctl in sorted(self.by_context.items(), key=str)}
 
 
 def _ema(old: float | None, new: float, a: float) -> float:

@@ -51,11 +51,15 @@ request."""
 
 @functools.lru_cache(maxsize=256)
 def _first_nodes_knobs(decoding: DecodingConfig, n: int) -> DecodingConfig:
-    """The knobs of a budget-``n`` search, whose tree is the first ``n`` nodes of the full one.
+    """The knobs of a budget-``n`` search, whose tree is the first ``n`` nodes of the full one:
+    no deeper than ``n`` levels, and no more than ``n`` beams (a selected node's parent is among
+    the best ``n`` of its level, so beams ranked below ``n`` only add expansions, each an N-gram
+    lookup; exact wherever path scores do not rise, i.e. up to ``eps``-sized ties).
     Cached: the controller picks among a few ladder sizes, so a step reuses one of a few configs
     instead of building and validating a new one."""
     return decoding.replace(tree_budget=min(decoding.tree_budget, n),
-                            draft_depth=min(decoding.draft_depth, n))
+                            draft_depth=min(decoding.draft_depth, n),
+                            beam_width=min(decoding.beam_width, n))
 
 
 class PromptTooLongError(ValueError):
@@ -358,12 +362,15 @@ class Engine:
         view = BatchView(roots=roots, lengths=self.cache.lengths[:B], tokens=self.tokens,
                          decoding=decoding, params=[r.params for r in reqs],
                          generators=[r.generator for r in reqs])
-        context = 0                                                            # plan
+        context: tuple[int, bool] = (0, False)                                # plan
         if self.controller is None:
             n = max_nodes
         else:
             if max_nodes > 0:
-                context = self.drafter.context(view)
+                # what the drafter tells (lookup: the suffix match), and whether every row is in a
+                # run whose earlier path went on past its cut (copying text: it tends to go on)
+                context = (self.drafter.context(view),
+                           all(self.hindsight.running(r.request_id) for r in reqs))
             n = self.controller.plan(B, max_nodes, context)
         if n > 0:
             if n < max_nodes:            # a small tree: the first n nodes of a budget-n search

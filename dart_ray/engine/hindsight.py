@@ -19,6 +19,7 @@ under sampling.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +45,7 @@ class _Walk:
 class HindsightStep:
     """A speculative step whose acceptance is learned once every row's path has ended."""
 
-    context: int
+    context: Hashable
     known: int
     """Budgets up to this are learned (every row's tree is prefix-exact that far)."""
     paths: list[list[int] | None]
@@ -63,7 +64,7 @@ class Hindsight:
     def __init__(self) -> None:
         self._by_request: dict[str, list[tuple[HindsightStep, int]]] = {}
 
-    def begin(self, context: int, known: int, n_used: int, full: TokenTree, path: torch.Tensor,
+    def begin(self, context: Hashable, known: int, n_used: int, full: TokenTree, path: torch.Tensor,
               num_accepted: list[int], bonus: list[int], paths: list[list[int]],
               request_ids: list[str]) -> HindsightStep:
         """A step verified ``full`` cut to ``n_used`` nodes. ``path`` [B, d+1] accepted node
@@ -98,6 +99,14 @@ class Hindsight:
             step.paths[b] = None
             self._by_request.setdefault(request_ids[b], []).append((step, b))
         return step
+
+    def running(self, request_id: str) -> bool:
+        """An earlier step's path of this request went past its cut and has not ended: the text
+        is following a copy the drafter proposed, which tends to go on (HumanEval, DART with
+        24-node trees on the Zen 4: after a step that accepted 6 or more tokens, a 3-token
+        lookup match accepted its whole 10-token path on 62 % of the steps; after one that
+        accepted 1-2, on 16 %)."""
+        return bool(self._by_request.get(request_id))
 
     def feed(self, request_id: str, tokens: list[int]) -> list[HindsightStep]:
         """``tokens`` were generated for ``request_id``: walks go on; returns the steps that

@@ -283,16 +283,18 @@ def test_sizes_above_the_choice_are_priced_by_paired_increments():
 
 def test_tree_prefix_is_the_smaller_budget_tree():
     """Priority order: the first n nodes of a budget-N beam-search tree are the budget-n tree."""
+    from dart_ray.engine.engine import _first_nodes_knobs
+
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 6, 500, generator=g) * 3
     roots = torch.tensor([1, 2])
-    big = build_trees(roots, logits,
-                      DecodingConfig(draft_depth=6, top_k=6, beam_width=4, tree_budget=40))
-    for n in (1, 3, 8, 17):
-        small = build_trees(roots, logits,
-                            DecodingConfig(draft_depth=6, top_k=6, beam_width=4, tree_budget=n))
+    full = DecodingConfig(draft_depth=6, top_k=6, beam_width=5, tree_budget=40)
+    big = build_trees(roots, logits, full)
+    for n in (1, 3, 4, 8, 17):
         cut = big.truncate(n)
-        assert torch.equal(cut.tokens, small.tokens) and torch.equal(cut.parents, small.parents)
+        for knobs in (full.replace(tree_budget=n), _first_nodes_knobs(full, n)):
+            small = build_trees(roots, logits, knobs)   # the engine's knobs: <= n beams and levels
+            assert torch.equal(cut.tokens, small.tokens) and torch.equal(cut.parents, small.parents)
         cut.validate()
 
 
@@ -301,11 +303,13 @@ def test_small_tree_knobs_are_the_budget_n_knobs_built_once():
     controller picks reuse one config each instead of building a new one every step."""
     from dart_ray.engine.engine import _first_nodes_knobs
 
-    d = DecodingConfig(draft_depth=6, tree_budget=40)
+    d = DecodingConfig(draft_depth=6, tree_budget=40, beam_width=20)
     small = _first_nodes_knobs(d, 4)
-    assert small == d.replace(draft_depth=4, tree_budget=4)
-    assert _first_nodes_knobs(DecodingConfig(draft_depth=6, tree_budget=40), 4) is small
-    assert _first_nodes_knobs(d, 12) == d.replace(tree_budget=12)
+    assert small == d.replace(draft_depth=4, tree_budget=4, beam_width=4)
+    assert _first_nodes_knobs(DecodingConfig(draft_depth=6, tree_budget=40, beam_width=20),
+                              4) is small
+    assert _first_nodes_knobs(d, 12) == d.replace(tree_budget=12, beam_width=12)
+    assert _first_nodes_knobs(d, 32) == d.replace(tree_budget=32)
 
 
 # ---- exactness with the controller on ------------------------------------------------------------

@@ -51,8 +51,9 @@ def begin(h, bonus, accepted, n_used=2, known=5, trees=(CHAIN,), ids=("r",)):
 def test_a_path_past_the_cut_goes_on_with_the_next_tokens():
     h = Hindsight()
     step = begin(h, [12], [[1, 2]])          # 10 11 accepted within the cut, bonus 12 = node 3
-    assert not step.done and step.paths == [None]
+    assert not step.done and step.paths == [None] and h.running("r")
     assert h.feed("r", [13, 99]) == [step]   # 13 = node 4 (a leaf): the path ends
+    assert not h.running("r")
     assert step.done and step.paths == [[1, 2, 3, 4]] and step.context == 7 and step.known == 5
     assert h.feed("r", [1]) == []            # nothing pending any more
 
@@ -166,6 +167,6 @@ def test_engine_learns_bigger_trees_than_it_verifies_and_stays_exact(tiny, metho
     learned = {m for c in eng.controller.by_context.values() for m in c.acc}
     assert max(learned) > 2                                       # never verified, learned
     if batch == 1:        # (a batch's context is its weakest row's: rarely a match here)
-        lookups = [c for k, c in eng.controller.by_context.items() if k > 0]
+        lookups = [c for k, c in eng.controller.by_context.items() if k[0] > 0]
         assert lookups and any(c.acc.get(8, 0) > c.acc[2] for c in lookups)
     assert not eng.hindsight._by_request                          # every walk ended
