@@ -55,7 +55,8 @@ class ViewLookups:
     """Prompt lookups of one step, computed once: a drafter's :meth:`~Drafter.context` finds them
     (their match lengths are the step's context) before the controller plans the step, and its
     ``propose`` reuses them. Keyed on the :class:`BatchView` object and the search knobs; a call
-    for a shallower depth than the cached one reuses it, each path cut to that depth."""
+    for a shallower depth than the cached one reuses it, each path cut to that depth (a trie of
+    those is the shallow search's, though the paths kept may differ where cut paths coincide)."""
 
     def __init__(self) -> None:
         self._view: BatchView | None = None
@@ -91,8 +92,10 @@ class NGramDrafter(Drafter):
         self.lookups = ViewLookups()
 
     def _lookups(self, view: BatchView, depth: int) -> list[tuple[list[list[int]], int]]:
-        return self.lookups.get(view, min(depth, self.max_draft_depth), view.decoding.beam_width,
-                                self.max_match, self.min_match)
+        # the configured knobs' paths, not the budget-n search's (its beams are capped at n)
+        beams = (view.full_decoding or view.decoding).beam_width
+        return self.lookups.get(view, min(depth, self.max_draft_depth), beams, self.max_match,
+                                self.min_match)
 
     def context(self, view: BatchView) -> int:
         """The shortest suffix match over the rows (0: some row has none and drafts from the

@@ -218,7 +218,7 @@ class SpeculationController:
         same = [m for b, m in self.draft_s if b == B]
         if same:
             return self.draft_s[(B, min(same, key=lambda m: (abs(m - n), m)))]
-        per_b: dict[int, float] = {}
+        per_b: dict[int, tuple[int, float]] = {}           # batch -> (its nearest budget, time)
         for (b, m), s in self.draft_s.items():
             if b not in per_b or abs(m - n) < abs(per_b[b][0] - n):
                 per_b[b] = (m, s)

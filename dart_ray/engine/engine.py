@@ -228,6 +228,7 @@ class Engine:
         self.schedule = decoding
         if self.controller is not None:
             self.controller.reset_acceptance()   # other knobs, other trees: learn acceptance again
+            self.hindsight = Hindsight()         # and nothing from the old trees' walks
 
     def decoding_for(self, batch_size: int) -> DecodingConfig:
         """The knobs a step of ``batch_size`` rows uses."""
@@ -371,7 +372,9 @@ class Engine:
                 # run whose earlier path went on past its cut (copying text: it tends to go on)
                 context = (self.drafter.context(view),
                            all(self.hindsight.running(r.request_id) for r in reqs))
+            t_ctx = time.perf_counter()
             n = self.controller.plan(B, max_nodes, context)
+            t0 += time.perf_counter() - t_ctx      # planning is not drafting: the clock skips it
         if n > 0:
             if n < max_nodes:            # a small tree: the first n nodes of a budget-n search
                 view.full_decoding, view.decoding = decoding, _first_nodes_knobs(decoding, n)

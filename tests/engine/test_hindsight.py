@@ -132,6 +132,26 @@ def test_a_step_looks_up_once_and_shallower_reads_are_cut():
     assert cache.get(other, 3, 4, 3, 1) is not first              # another step: searched again
 
 
+def test_ngram_returns_the_whole_trie_of_the_configured_knobs_under_a_cut(monkeypatch):
+    """Cut to 2 nodes (budget-2 knobs: 2 beams, depth 2), `ngram` still returns the trie of the
+    configured knobs, all three continuations of [4, 6, 8] at depth 3, found by one search that
+    ``context`` and ``propose`` share, and says it is exact up to its budget."""
+    import dart_ray.drafters.ngram as ngram_mod
+    from dart_ray.engine.engine import _first_nodes_knobs
+
+    calls = []
+    real = ngram_mod.lookup_match
+    monkeypatch.setattr(ngram_mod, "lookup_match", lambda *a, **k: calls.append(a) or real(*a, **k))
+    d = NGramDrafter()
+    v = view([[4, 6, 8, 1, 4, 6, 8, 2, 4, 6, 8, 3, 4, 6]], [8], draft_depth=3, beam_width=20,
+             tree_budget=12)
+    assert d.context(v) == 3
+    v.full_decoding, v.decoding, v.max_nodes = v.decoding, _first_nodes_knobs(v.decoding, 2), 2
+    tree = d.propose(v)
+    assert tree.tokens.tolist() == [[8, 3, 4, 6, 2, 4, 6, 1, 4, 6]]
+    assert v.exact_nodes == [12] and len(calls) == 1
+
+
 # ---- the engine ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
