@@ -136,6 +136,17 @@ def tiny_baselines(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
     return save_random_baselines(target, tmp_path_factory.mktemp("baselines"))
 
 
+COST_GRID_B, COST_GRID_T = [1, 2, 4, 8, 16], [1, 2, 3, 5, 9, 17, 33, 65]
+"""Batch sizes and tokens per row of the synthetic cost models the controller tests use."""
+
+
+def flat_cost(seconds: float = 0.02):
+    """A cost model whose every verify forward takes ``seconds`` (controller tests)."""
+    from dart_ray.engine.cost import CostModel
+
+    return CostModel.from_function(lambda b, t: seconds, COST_GRID_B, COST_GRID_T)
+
+
 MIXED_PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):",
     "The quick brown fox jumps over the lazy dog. The quick brown",

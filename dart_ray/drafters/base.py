@@ -52,6 +52,11 @@ class BatchView:
     exact_nodes: list[int] | None = None
 
     @property
+    def configured_decoding(self) -> DecodingConfig:
+        """The step's knobs before any cut to ``max_nodes``."""
+        return self.full_decoding or self.decoding
+
+    @property
     def batch_size(self) -> int:
         return int(self.roots.shape[0])
 

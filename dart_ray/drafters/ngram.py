@@ -54,27 +54,22 @@ def lookup_match(seq: np.ndarray, depth: int, max_cands: int, max_match: int = 3
 class ViewLookups:
     """Prompt lookups of one step, computed once: a drafter's :meth:`~Drafter.context` finds them
     (their match lengths are the step's context) before the controller plans the step, and its
-    ``propose`` reuses them. Keyed on the :class:`BatchView` object and the search knobs; a call
-    for a shallower depth than the cached one reuses it, each path cut to that depth (a trie of
-    those is the shallow search's, though the paths kept may differ where cut paths coincide)."""
+    ``propose`` reuses them. Keyed on the :class:`BatchView` object and the search knobs."""
 
     def __init__(self) -> None:
         self._view: BatchView | None = None
-        self._key: tuple[int, int, int] | None = None
-        self._depth = 0
+        self._key: tuple[int, int, int, int] | None = None
         self._found: list[tuple[list[list[int]], int]] = []
 
     def get(self, view: BatchView, depth: int, max_cands: int, max_match: int,
             min_match: int) -> list[tuple[list[list[int]], int]]:
         """Per row: (continuations, suffix length matched) of :func:`lookup_match`."""
-        key = (max_cands, max_match, min_match)
-        if self._view is not view or self._key != key or depth > self._depth:
+        key = (depth, max_cands, max_match, min_match)
+        if self._view is not view or self._key != key:
             self._found = [lookup_match(seq, depth, max_cands, max_match, min_match)
                            for seq in view.sequences()]
-            self._view, self._key, self._depth = view, key, depth
-        if depth == self._depth:
-            return self._found
-        return [([p[:depth] for p in paths], k) for paths, k in self._found]
+            self._view, self._key = view, key
+        return self._found
 
     def clear(self) -> None:
         self._view, self._found = None, []
@@ -91,28 +86,31 @@ class NGramDrafter(Drafter):
         self.min_match = min_match
         self.lookups = ViewLookups()
 
-    def _lookups(self, view: BatchView, depth: int) -> list[tuple[list[list[int]], int]]:
-        # the configured knobs' paths, not the budget-n search's (its beams are capped at n)
-        beams = (view.full_decoding or view.decoding).beam_width
-        return self.lookups.get(view, min(depth, self.max_draft_depth), beams, self.max_match,
-                                self.min_match)
+    def _lookups(self, view: BatchView) -> list[tuple[list[list[int]], int]]:
+        # the configured knobs' paths, not the budget-n search's (its beams and depth are cut)
+        knobs = view.configured_decoding
+        return self.lookups.get(view, min(knobs.draft_depth, self.max_draft_depth),
+                                knobs.beam_width, self.max_match, self.min_match)
 
     def context(self, view: BatchView) -> int:
         """The shortest suffix match over the rows (0: some row has none and drafts from the
         corpus N-gram model): steps that copy from a 3-token match accept far more."""
-        return min((k for _, k in self._lookups(view, view.decoding.draft_depth)), default=0)
+        return min((k for _, k in self._lookups(view)), default=0)
 
     def propose(self, view: BatchView) -> TokenTree:
         # the whole trie of the configured knobs, whatever the engine keeps: its first m nodes are
         # the budget-m trie, so the engine learns bigger budgets in hindsight
-        decoding = view.full_decoding or view.decoding
+        decoding = view.configured_decoding
         depth = min(decoding.draft_depth, self.max_draft_depth)
-        trees = []
-        for seq, (paths, _) in zip(view.sequences(), self._lookups(view, depth), strict=True):
-            if not paths and self.ngram is not None:
-                paths = [self._corpus_chain(seq, depth, decoding.ngram_min_count)]
-            trees.append(trie_from_paths(paths, decoding.tree_budget))
+        found = self._lookups(view)
         self.lookups.clear()
+        seqs = (view.sequences() if self.ngram is not None and not all(p for p, _ in found)
+                else None)                              # the text, for the corpus fallback only
+        trees = []
+        for b, (paths, _) in enumerate(found):
+            if not paths and seqs is not None:
+                paths = [self._corpus_chain(seqs[b], depth, decoding.ngram_min_count)]
+            trees.append(trie_from_paths(paths, decoding.tree_budget))
         view.exact_nodes = [decoding.tree_budget] * len(trees)
         return pack_trees(view.roots, trees)
 

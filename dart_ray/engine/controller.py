@@ -218,11 +218,9 @@ class SpeculationController:
         same = [m for b, m in self.draft_s if b == B]
         if same:
             return self.draft_s[(B, min(same, key=lambda m: (abs(m - n), m)))]
-        per_b: dict[int, tuple[int, float]] = {}           # batch -> (its nearest budget, time)
-        for (b, m), s in self.draft_s.items():
-            if b not in per_b or abs(m - n) < abs(per_b[b][0] - n):
-                per_b[b] = (m, s)
-        return self._nearest({b: s for b, (_, s) in per_b.items()}, B, 0.0)
+        # per batch size its nearest budget's time (farthest first, so the nearest is kept)
+        cells = sorted(self.draft_s.items(), key=lambda kv: -abs(kv[0][1] - n))
+        return self._nearest({b: s for (b, _), s in cells}, B, 0.0)
 
     def rate(self, B: int, n: int, verify_s: float | None = None) -> float:
         """Expected committed tokens per second of a step over ``B`` rows verifying ``n`` nodes."""

@@ -420,8 +420,8 @@ class Engine:
         if self.controller is not None and n > 0:
             paths = [p[1:k] for p, k in zip(acc.path.tolist(), num_committed, strict=True)]
             known = self._known(view, n, max_nodes)
-            step = self.hindsight.begin(context, known, n, full, acc.path, acc.num_accepted
-                                        .tolist(), bonus, paths, [r.request_id for r in reqs])
+            step = self.hindsight.begin(context, known, n, full, paths, bonus,
+                                        [r.request_id for r in reqs])
             now = step.paths if step.done else None      # else learned when the paths end
         if finished:
             self._release(finished)

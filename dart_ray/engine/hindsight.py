@@ -64,20 +64,18 @@ class Hindsight:
     def __init__(self) -> None:
         self._by_request: dict[str, list[tuple[HindsightStep, int]]] = {}
 
-    def begin(self, context: Hashable, known: int, n_used: int, full: TokenTree, path: torch.Tensor,
-              num_accepted: list[int], bonus: list[int], paths: list[list[int]],
-              request_ids: list[str]) -> HindsightStep:
-        """A step verified ``full`` cut to ``n_used`` nodes. ``path`` [B, d+1] accepted node
-        indices (root first; the same in the cut and the uncut tree), ``paths[b]`` the accepted
-        nodes (root excluded), ``bonus[b]`` the token sampled after them. Rows whose bonus is a
-        child of their last accepted node among nodes ``n_used+1..known`` of ``full`` wait for the
-        next tokens of their request (:meth:`feed`); the step is :attr:`~HindsightStep.done` when
-        none does."""
-        step = HindsightStep(context, known, [list(p) for p in paths])
+    def begin(self, context: Hashable, known: int, n_used: int, full: TokenTree,
+              paths: list[list[int]], bonus: list[int], request_ids: list[str]) -> HindsightStep:
+        """A step verified ``full`` cut to ``n_used`` nodes; ``paths[b]`` the accepted node
+        indices of row b (root excluded; the same in the cut and the uncut tree), ``bonus[b]`` the
+        token sampled after them. Rows whose bonus is a child of their last accepted node among
+        nodes ``n_used+1..known`` of ``full`` wait for the next tokens of their request
+        (:meth:`feed`); the step is :attr:`~HindsightStep.done` when none does."""
+        step = HindsightStep(context, known, paths)
         if known <= n_used:
             return step
         dev = full.tokens.device
-        last = path.gather(1, torch.tensor(num_accepted, device=dev)[:, None])        # [B, 1]
+        last = torch.tensor([p[-1] if p else 0 for p in paths], device=dev)[:, None]  # [B, 1]
         idx = torch.arange(full.num_nodes, device=dev)[None, :]                        # [1, 1+N]
         bon = torch.tensor(bonus, device=dev)[:, None]                                 # [B, 1]
         cont = (full.valid & (full.parents == last) & (full.tokens == bon)
@@ -85,7 +83,7 @@ class Hindsight:
         rows = cont.any(1).nonzero().flatten().tolist()
         if not rows:
             return step
-        child = cont.float().argmax(1).tolist()                                        # [B]
+        child = cont.int().argmax(1).tolist()                                          # [B]
         cols = min(known + 1, full.num_nodes)
         toks, pars = full.tokens[:, :cols].tolist(), full.parents[:, :cols].tolist()
         valid = full.valid[:, :cols].tolist()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MIXED_PROMPTS
+from conftest import COST_GRID_B as GRID_B
+from conftest import COST_GRID_T as GRID_T
+from conftest import MIXED_PROMPTS, flat_cost
 
 from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
 from dart_ray.drafters import make_drafter
@@ -28,16 +30,11 @@ from dart_ray.verify.logits import NodeLogits, internal_nodes
 
 PROMPTS = MIXED_PROMPTS
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
-GRID_B, GRID_T = [1, 2, 4, 8, 16], [1, 2, 3, 5, 9, 17, 33, 65]
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dirs):
     return load_target(str(tiny_dirs["llama"]), "fp32", max_seq_len=512)
-
-
-def flat_cost(seconds=0.02):
-    return CostModel.from_function(lambda b, t: seconds, GRID_B, GRID_T)
 
 
 def make_engine(target, method="dart", drafter="random", batch=4, cost=None, adaptive=True, **dec):

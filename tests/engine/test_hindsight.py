@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import MIXED_PROMPTS
+from conftest import COST_GRID_B, COST_GRID_T, MIXED_PROMPTS, flat_cost
 
 from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
 from dart_ray.drafters import BatchView, make_drafter
@@ -17,12 +17,6 @@ from dart_ray.engine.cost import CostModel
 from dart_ray.engine.hindsight import Hindsight
 from dart_ray.models import load_target
 from dart_ray.tree import pack_trees
-
-GRID_B, GRID_T = [1, 2, 4, 8, 16], [1, 2, 3, 5, 9, 17, 33, 65]
-
-
-def flat_cost(seconds=0.02):
-    return CostModel.from_function(lambda b, t: seconds, GRID_B, GRID_T)
 
 
 def view(rows: list[list[int]], roots: list[int], **knobs) -> BatchView:
@@ -41,11 +35,7 @@ CHAIN = ([10, 11, 12, 13, 20], [0, 1, 2, 3, 1])
 
 def begin(h, bonus, accepted, n_used=2, known=5, trees=(CHAIN,), ids=("r",)):
     full = pack_trees(torch.tensor([5] * len(trees)), list(trees))
-    path = torch.zeros(len(trees), 6, dtype=torch.long)
-    for b, a in enumerate(accepted):
-        path[b, 1:1 + len(a)] = torch.tensor(a, dtype=torch.long)
-    return h.begin(7, known, n_used, full, path, [len(a) for a in accepted], bonus, accepted,
-                   list(ids))
+    return h.begin(7, known, n_used, full, [list(a) for a in accepted], bonus, list(ids))
 
 
 def test_a_path_past_the_cut_goes_on_with_the_next_tokens():
@@ -92,7 +82,7 @@ def test_the_controller_learns_budgets_up_to_known_and_widths_at_once():
 def test_contexts_keep_their_own_estimates():
     """Copy runs (context 3) accept the whole chain, steps without a match (0) nothing: one average
     would price both alike; per context, 3 verifies a big tree and 0 goes plain."""
-    cost = CostModel.from_function(lambda b, t: 0.020 + 0.0018 * (t - 1), GRID_B, GRID_T)
+    cost = CostModel.from_function(lambda b, t: 0.020 + 0.0018 * (t - 1), COST_GRID_B, COST_GRID_T)
     bank = ContextualController(cost, ControllerConfig(warmup_steps=0))
     for i in range(60):
         ctx = 3 if i % 2 else 0
@@ -121,13 +111,13 @@ def test_lookup_contexts_are_the_shortest_suffix_match_over_the_rows():
     assert d.context(view([[1, 2, 3, 9, 1, 2], [5, 6]], [3, 7], draft_depth=2)) == 0
 
 
-def test_a_step_looks_up_once_and_shallower_reads_are_cut():
+def test_a_step_looks_up_once_and_other_knobs_search_again():
     v = view([[1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2]], [3], draft_depth=3)
     cache = ViewLookups()
     first = cache.get(v, 3, 4, 3, 1)
     assert first == [([[7, 5, 1], [9, 1, 2]], 3)]
     assert cache.get(v, 3, 4, 3, 1) is first                      # the same view: no new search
-    assert cache.get(v, 1, 4, 3, 1) == [([[7], [9]], 3)]           # shallower: each path cut
+    assert cache.get(v, 1, 4, 3, 1) == [([[7], [9]], 3)]           # another depth: a new search
     other = view([[1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2]], [3], draft_depth=3)
     assert cache.get(other, 3, 4, 3, 1) is not first              # another step: searched again
 
