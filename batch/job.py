@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 from batch.generator import OUTPUT_SCHEMA, BatchStats, DartGenerator
 from batch.store import OutputStore, id_report, retry_report
 from batch.watchdog import PipelineStalled, consume
-from dart_ray import EngineConfig, SamplingParams, load_profile
+from dart_ray import EngineConfig, SamplingParams, fast_allocator_env, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -480,10 +480,14 @@ def _execute(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa.Arra
                         fn_kwargs={"id_column": cfg.id_column, "prompt_column": cfg.prompt_column,
                                    "id_type": inp.ids.type, "done": done})
     ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
+    remote: dict = {}
+    alloc = fast_allocator_env()
+    if alloc and not str(gen_kwargs["engine_config"].device).startswith("cuda"):
+        remote["runtime_env"] = {"env_vars": alloc}    # CPU engines: ~25 % faster (see dart_ray)
     ds = ds.map_batches(
         _PartWriter, batch_format="pyarrow", batch_size=cfg.batch_size,
         compute=ray.data.ActorPoolStrategy(min_size=actors, max_size=cfg.concurrency),
-        num_cpus=cpus,
+        num_cpus=cpus, **remote,
         fn_constructor_kwargs={"output": str(store.root), "id_column": cfg.id_column,
                                "prompt_column": cfg.prompt_column, "id_type": inp.ids.type,
                                "generator_kwargs": gen_kwargs})

@@ -11,6 +11,7 @@ Importing this package has no side effects and does not import torch-heavy submo
 beyond what the names below need.
 """
 
+from dart_ray.allocator import allocator_in_use, fast_allocator_env
 from dart_ray.config import METHODS, DecodingConfig, EngineConfig, SamplingParams
 from dart_ray.engine import (
     Completion,
@@ -28,5 +29,6 @@ __version__ = "0.1.0"
 __all__ = [
     "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats",
     "Completion", "RequestOutput", "RequestStats", "PromptTooLongError", "DecodingSchedule",
-    "load_profile", "save_profile", "encode_prompt", "__version__",
+    "load_profile", "save_profile", "encode_prompt", "fast_allocator_env", "allocator_in_use",
+    "__version__",
 ]

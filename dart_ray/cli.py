@@ -7,6 +7,7 @@ Heavy imports happen inside each subcommand so ``dart-ray --help`` is instant.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
@@ -218,5 +219,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The ``dart-ray`` console script: re-executes itself once under a fast CPU allocator (see
+    :mod:`dart_ray.allocator`; ``DART_RAY_ALLOCATOR=system`` opts out), then runs :func:`main`."""
+    from dart_ray.allocator import reexec_argv
+
+    plan = reexec_argv(sys.argv[1:])
+    if plan is not None:
+        args, env = plan
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(args[0], args, env)
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -156,6 +156,9 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     fp = Fingerprint.current(device, dtype, target.model_id)
     report["config"]["fingerprint"] = fp.to_dict()
     report["config"]["machine"] = fp.summary()
+    from dart_ray.allocator import allocator_in_use
+
+    report["config"]["allocator"] = allocator_in_use()   # CPU throughput depends on it (~25 %)
     ar_out = res["ar"].outputs if "ar" in res else None
     for m in methods:
         r = res[m]
@@ -248,7 +251,8 @@ def plot_report(report: dict, out: str | Path) -> None:
 
 def format_table(report: dict) -> str:
     c = report.get("config", {})
-    rows = [f"machine: {c.get('machine', '?')}; dtype {c.get('dtype')} "
+    rows = [f"machine: {c.get('machine', '?')}; allocator {c.get('allocator', '?')}; "
+            f"dtype {c.get('dtype')} "
             f"({(c.get('dtype_choice') or {}).get('reason', 'given')}); adaptive "
             f"{c.get('adaptive')}", "",
             "| method | tok/s | speedup vs ar | tau | AR steps | draft ms | tree ms | verify ms | "

@@ -49,7 +49,8 @@ def test_head_node_runs_no_workloads():
     assert "--num-cpus=0" in " ".join(cfg["head_start_ray_commands"])
 
 
-def test_deployment_placement_spread_and_strict_pack():
+def test_deployment_placement_spread_and_strict_pack(monkeypatch):
+    monkeypatch.setenv("DART_RAY_ALLOCATOR", "system")   # placement only (allocator: below)
     from deployments.config import ServeArgs
     from deployments.placement import deployment_placement, spread_options
 
@@ -78,3 +79,22 @@ def test_deployment_placement_spread_and_strict_pack():
         with pytest.raises(ValueError, match="max_replicas_per_node"):
             spread_options(bad)
     assert spread_options(None) == {}
+
+
+def test_cpu_replicas_start_under_the_fast_allocator(monkeypatch):
+    """A CPU replica's actor gets the allocator variables (a process-start setting, see
+    dart_ray.allocator) through its runtime_env; a GPU replica is left as it is."""
+    from dart_ray import fast_allocator_env
+    from deployments.placement import deployment_placement
+
+    for k in ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES", "DART_RAY_ALLOCATOR"):
+        monkeypatch.delenv(k, raising=False)
+    want = fast_allocator_env()
+    opts = deployment_placement({"num_cpus": 0.5})["ray_actor_options"]
+    if want:
+        assert opts["runtime_env"] == {"env_vars": want}
+        assert "LD_PRELOAD" in want or "GLIBC_TUNABLES" in want
+    gpu = deployment_placement({"num_cpus": 1, "device": "cuda"})["ray_actor_options"]
+    assert "runtime_env" not in gpu
+    monkeypatch.setenv("DART_RAY_ALLOCATOR", "system")
+    assert "runtime_env" not in deployment_placement({"num_cpus": 0.5})["ray_actor_options"]

@@ -71,7 +71,8 @@ def test_serve_args_hold_one_engine_config_nested_or_flat():
     assert cuda["ray_actor_options"]["num_gpus"] == 1.0
 
 
-def test_build_app_options_and_tp_hook():
+def test_build_app_options_and_tp_hook(monkeypatch):
+    monkeypatch.setenv("DART_RAY_ALLOCATOR", "system")   # placement only (allocator: below)
     from deployments.openai_app import build_app, deployment_options
 
     opts = deployment_options(ServeArgs(num_cpus=0.5, engine=EngineConfig(max_batch_size=4),
@@ -543,7 +544,8 @@ def test_reconfigure_sets_the_schedule_of_every_lane(tmp_path):
 
 
 # ---- issue 19: the ingress, apart from the engine deployment -------------------------------------
-def test_build_app_is_an_ingress_in_front_of_the_engine_deployment():
+def test_build_app_is_an_ingress_in_front_of_the_engine_deployment(monkeypatch):
+    monkeypatch.setenv("DART_RAY_ALLOCATOR", "system")   # placement only (allocator: below)
     """build_app: the light ingress (no model; 0 CPUs on the head node by default; its own replica
     count) is bound to a handle of the engine deployment, which keeps the replica options."""
     from deployments.openai_app import build_app, deployment_options, ingress_options
