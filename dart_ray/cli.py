@@ -12,6 +12,7 @@ import sys
 import time
 import warnings
 
+from dart_ray.allocator import allocator_in_use
 from dart_ray.config import EngineConfig, RenamedWarning, add_engine_args, engine_args
 
 
@@ -57,7 +58,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
             else "adaptive off")
     print(f"[{cfg.method}] {n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s | tau "
           f"{st.mean_accepted_len:.2f} | finish {last.finish_reason} | {engine.config.dtype} "
-          f"({engine.dtype_choice.reason}) | {spec} | {engine.fingerprint.summary()}",
+          f"({engine.dtype_choice.reason}) | {spec} | {engine.fingerprint.summary()} | "
+          f"allocator {allocator_in_use()}",
           file=sys.stderr if a.stats_stderr else sys.stdout)
     return 0
 

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
-from dart_ray import Engine, RequestOutput, SamplingParams, encode_prompt
+from dart_ray import Engine, RequestOutput, SamplingParams, allocator_in_use, encode_prompt
 from dart_ray.engine.async_engine import MAIN_LANE, AsyncEngine, LaneLimitError, RequestTiming
 from deployments.config import ServeArgs
 from deployments.engine_factory import ReplicaEngine, lane_factory, make_engine
@@ -97,6 +97,7 @@ def _engine_info(e: Engine) -> tuple[dict, object]:
     return {"root": e.target.model_id, "max_model_len": int(e.max_model_len),
             "speculative_method": e.config.method, "dtype": e.config.dtype,
             "dtype_reason": e.dtype_choice.reason, "machine": e.fingerprint.summary(),
+            "allocator": allocator_in_use(),
             "adaptive_speculation": e.controller is not None}, e.tokenizer
 
 

@@ -384,3 +384,26 @@ def test_batch_sizes_are_searched_cheapest_trial_first(tmp_path):
     assert search_order(run) == [4, 16, 1]
     run.tune_prompts = run.tune_prompts[:1]      # one round at every size: the smaller first
     assert search_order(run) == [1, 4, 16]
+
+
+def test_init_ray_gives_cpu_trials_the_fast_allocator(tmp_path, monkeypatch):
+    """CPU trials measure throughput under the allocator serving uses (a process-start setting
+    passed as the job's runtime_env); a CUDA tuning run is left as it is."""
+    import ray
+
+    from dart_ray import fast_allocator_env
+    from tuning.runner import TuneSettings
+    from tuning.start import init_ray
+
+    seen = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(kw))
+    for k in ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES", "DART_RAY_ALLOCATOR"):
+        monkeypatch.delenv(k, raising=False)
+    s = TuneSettings(prompts="p.jsonl", workload="w", out=str(tmp_path / "w.yaml"))
+    assert init_ray(s) is True
+    want = fast_allocator_env()
+    assert seen[-1].get("runtime_env") == ({"env_vars": want} if want else None)
+    s.engine = EngineConfig(device="cuda")
+    init_ray(s)
+    assert "runtime_env" not in seen[-1]
