@@ -7,28 +7,54 @@ Public API (``deployments/``, ``tuning/`` and batch jobs use only these names)::
     for out in engine.stream("Hello", SamplingParams(max_new_tokens=32)):
         print(out.new_text, end="")
 
-Importing this package has no side effects and does not import torch-heavy submodules eagerly
-beyond what the names below need.
+Importing this package has no side effects and imports no torch: the configs, profiles and the
+allocator helpers are plain Python, and the engine names (``Engine``, ``RequestOutput``, ...) load
+``dart_ray.engine`` on first use. So the ``dart-ray`` launcher and Ray's placement code can read
+a config or an allocator setting without paying for torch.
 """
 
-from dart_ray.allocator import allocator_in_use, fast_allocator_env
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from dart_ray.allocator import actor_allocator_env, allocator_in_use, fast_allocator_env
 from dart_ray.config import METHODS, DecodingConfig, EngineConfig, SamplingParams
-from dart_ray.engine import (
-    Completion,
-    Engine,
-    EngineStats,
-    PromptTooLongError,
-    RequestOutput,
-    RequestStats,
-    encode_prompt,
-)
 from dart_ray.profiles import DecodingSchedule, load_profile, save_profile
 
+if TYPE_CHECKING:
+    from dart_ray.engine import (
+        Completion,
+        Engine,
+        EngineStats,
+        PromptTooLongError,
+        RequestOutput,
+        RequestStats,
+        encode_prompt,
+    )
+
 __version__ = "0.1.0"
+
+_ENGINE_NAMES = ("Completion", "Engine", "EngineStats", "PromptTooLongError", "RequestOutput",
+                 "RequestStats", "encode_prompt")
 
 __all__ = [
     "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats",
     "Completion", "RequestOutput", "RequestStats", "PromptTooLongError", "DecodingSchedule",
-    "load_profile", "save_profile", "encode_prompt", "fast_allocator_env", "allocator_in_use",
+    "load_profile", "save_profile", "encode_prompt", "fast_allocator_env", "actor_allocator_env",
+    "allocator_in_use",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    """The engine names, imported from ``dart_ray.engine`` (and torch) on first use."""
+    if name in _ENGINE_NAMES:
+        value = getattr(importlib.import_module("dart_ray.engine"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dart_ray' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -9,9 +9,15 @@ keeping freed pages (``dirty_decay_ms:-1``). Both are process-start settings (``
 ``MALLOC_CONF``, ``GLIBC_TUNABLES``): nothing can change them once Python runs. So:
 
 * :func:`fast_allocator_env` says which variables to add: jemalloc (preloaded, keeping freed
-  pages) where a ``libjemalloc.so.2`` is installed, else glibc's ``hugetlb`` tunable;
-* the ``dart-ray`` CLI re-executes itself once with them (:func:`reexec_argv`), and Ray actors
-  that run engines get them through their ``runtime_env``;
+  pages) where a ``libjemalloc.so.2`` is installed, else glibc's ``hugetlb`` tunable (glibc >=
+  2.35, transparent huge pages not off);
+* the ``dart-ray`` commands that run an engine or training in their own process on CPU
+  (``generate``, ``bench``, ``train-drafter``, ``gen-data``, ``gen-prompts``, ``build-ngram``)
+  re-execute themselves once with them (:func:`reexec_argv`, the same command line); CPU engine
+  actors on Ray get them through their ``runtime_env`` (:func:`actor_allocator_env`: the library's
+  soname, which each node's loader resolves). Commands that only drive Ray (``serve``, ``batch``,
+  ``tune``) are not re-executed: Ray's own daemons, which they may start, keep Ray's allocator;
+  nor is a ``--device cuda`` command (GPU engines are left as they are);
 * ``DART_RAY_ALLOCATOR=system`` keeps the process as started (no change, no re-exec); an
   ``LD_PRELOAD`` that already names an allocator is respected.
 
@@ -34,6 +40,9 @@ JEMALLOC_CANDIDATES = (
 )
 """Where a system jemalloc is looked for, first found wins."""
 
+JEMALLOC_SONAME = "libjemalloc.so.2"
+"""What a Ray actor preloads: the loader searches its node's library paths for it."""
+
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 """Keep freed pages mapped (never purge): the next step reuses them without page faults."""
 
@@ -48,6 +57,26 @@ MARKER = "DART_RAY_ALLOCATOR_SET"
 
 _KNOWN_PRELOADS = ("jemalloc", "tcmalloc", "mimalloc")
 
+REEXEC_COMMANDS = frozenset({"generate", "bench", "train-drafter", "gen-data", "gen-prompts",
+                             "build-ngram"})
+"""``dart-ray`` subcommands that run their engine or training in the CLI's own process."""
+
+
+def glibc_hugetlb_works() -> bool:
+    """glibc >= 2.35 (the ``glibc.malloc.hugetlb`` tunable) and transparent huge pages not off."""
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except (AttributeError, ValueError, OSError):
+        return False                                          # not glibc (musl, macOS)
+    if name != "glibc" or (major, minor) < (2, 35):
+        return False
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return True
+    return "[never]" not in mode
+
 
 def find_jemalloc(candidates: Sequence[str] = JEMALLOC_CANDIDATES) -> str | None:
     """The first installed jemalloc shared library, or None."""
@@ -58,24 +87,24 @@ def find_jemalloc(candidates: Sequence[str] = JEMALLOC_CANDIDATES) -> str | None
 
 
 def fast_allocator_env(environ: Mapping[str, str] | None = None,
-                       jemalloc: str | None | bool = True) -> dict[str, str]:
+                       jemalloc: str | None | bool = True,
+                       glibc_thp: bool | None = None) -> dict[str, str]:
     """The allocator variables a new engine process should start with (empty: none).
 
     ``environ`` defaults to ``os.environ``; ``jemalloc``: a library path, ``True`` to look for one
-    (:func:`find_jemalloc`), or ``False``/``None`` for none. An ``LD_PRELOAD`` that already names
-    an allocator is kept as it is (with its ``MALLOC_CONF``); else jemalloc is preloaded where
-    installed (keeping other ``LD_PRELOAD`` entries and a user's ``MALLOC_CONF``), else glibc's
-    huge-page tunable joins ``GLIBC_TUNABLES``. Empty off Linux and when the user opted out
-    (``DART_RAY_ALLOCATOR=system``). The result may repeat what ``environ`` already has: it is
-    the whole setting, for a process that does not inherit this one's environment (a Ray actor).
+    (:func:`find_jemalloc`), or ``False``/``None`` for none; ``glibc_thp``: whether glibc's
+    huge-page tunable works here (None: :func:`glibc_hugetlb_works`). An ``LD_PRELOAD`` that
+    already names an allocator is kept as it is (with its ``MALLOC_CONF``); else jemalloc is
+    preloaded where installed (keeping other ``LD_PRELOAD`` entries and a user's ``MALLOC_CONF``),
+    else glibc's huge-page tunable joins ``GLIBC_TUNABLES`` where it works. Empty off Linux and
+    when the user opted out (``DART_RAY_ALLOCATOR=system``). The result may repeat what
+    ``environ`` already has: it is the whole setting, for a process that does not inherit this
+    one's environment.
     """
     env = os.environ if environ is None else environ
     if not sys.platform.startswith("linux"):
         return {}
-    choice = env.get(OPT_OUT, "").strip().lower()
-    if choice not in ("", "auto", "system"):
-        raise ValueError(f"{OPT_OUT} must be 'auto' or 'system', got {env[OPT_OUT]!r}")
-    if choice == "system":
+    if _opted_out(env):
         return {}
     preload = env.get("LD_PRELOAD", "").strip()
     conf = env.get("MALLOC_CONF", "")
@@ -86,33 +115,62 @@ def fast_allocator_env(environ: Mapping[str, str] | None = None,
         return {"LD_PRELOAD": f"{lib} {preload}" if preload else lib,
                 "MALLOC_CONF": conf or JEMALLOC_CONF}
     tunables = env.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" not in tunables:
-        tunables = f"{tunables}:{GLIBC_HUGETLB}" if tunables else GLIBC_HUGETLB
-    return {"GLIBC_TUNABLES": tunables}
+    if "glibc.malloc.hugetlb" in tunables:
+        return {"GLIBC_TUNABLES": tunables}
+    if not (glibc_hugetlb_works() if glibc_thp is None else glibc_thp):
+        return {}
+    return {"GLIBC_TUNABLES": f"{tunables}:{GLIBC_HUGETLB}" if tunables else GLIBC_HUGETLB}
 
 
-def reexec_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None,
-                jemalloc: str | None | bool = True) -> tuple[list[str], dict[str, str]] | None:
-    """``(argv, env)`` to re-execute ``python -P -m dart_ray.cli argv`` under a fast allocator,
-    or None when the process should go on as it is: it already has the setting, the user opted
-    out, or it is itself the re-executed process (``DART_RAY_ALLOCATOR_SET``). ``-P``: the working
-    directory does not join ``sys.path``, as for the ``dart-ray`` console script."""
+def actor_allocator_env(environ: Mapping[str, str] | None = None,
+                        jemalloc: bool | None = None) -> dict[str, str]:
+    """:func:`fast_allocator_env` for a Ray actor that may run on another node: jemalloc by its
+    soname (each node's loader finds its own copy; a node without one runs on glibc after ld.so's
+    "cannot be preloaded" line) where this machine has one or preloads one, and none of this
+    process's other ``LD_PRELOAD`` entries (profilers, shims). ``jemalloc``: None = look here."""
+    env = os.environ if environ is None else environ
+    if not sys.platform.startswith("linux") or _opted_out(env):
+        return {}
+    has = (find_jemalloc() is not None or "jemalloc" in env.get("LD_PRELOAD", "")) \
+        if jemalloc is None else jemalloc
+    own = {k: env[k] for k in ("MALLOC_CONF", "GLIBC_TUNABLES") if k in env}
+    return fast_allocator_env(own, jemalloc=JEMALLOC_SONAME if has else False)
+
+
+def _opted_out(env: Mapping[str, str]) -> bool:
+    choice = env.get(OPT_OUT, "").strip().lower()
+    if choice not in ("", "auto", "system"):
+        raise ValueError(f"{OPT_OUT} must be 'auto' or 'system', got {env[OPT_OUT]!r}")
+    return choice == "system"
+
+
+def reexec_argv(command: str | None, environ: Mapping[str, str] | None = None,
+                jemalloc: str | None | bool = True, orig_argv: Sequence[str] | None = None,
+                glibc_thp: bool | None = None) -> tuple[list[str], dict[str, str]] | None:
+    """``(argv, env)`` to re-execute this process's own command line (``sys.orig_argv``:
+    interpreter flags, ``-m``, a profiler or debugger in front all kept) under a fast allocator,
+    or None when it should go on as it is: ``command`` does not run an engine in this process
+    (:data:`REEXEC_COMMANDS`), it already has the setting, the user opted out, the interpreter is
+    frozen, or this is the re-executed process (``DART_RAY_ALLOCATOR_SET``)."""
     env = dict(os.environ if environ is None else environ)
-    if env.get(MARKER) or not sys.executable:
+    argv = list(sys.orig_argv if orig_argv is None else orig_argv)
+    if (command not in REEXEC_COMMANDS or env.get(MARKER) or not sys.executable or not argv
+            or getattr(sys, "frozen", False)):
         return None
-    extra = fast_allocator_env(env, jemalloc)
+    extra = fast_allocator_env(env, jemalloc, glibc_thp)
     if all(env.get(k) == v for k, v in extra.items()):
         return None
     env.update(extra)
     env[MARKER] = "1"
-    safe = ["-P"] if sys.version_info >= (3, 11) else []
-    return [sys.executable, *safe, "-m", "dart_ray.cli", *argv], env
+    return [sys.executable, *argv[1:]], env
 
 
-def allocator_in_use(maps: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+def allocator_in_use(maps: str | None = None, environ: Mapping[str, str] | None = None,
+                     glibc_thp: bool | None = None) -> str:
     """What this process allocates with: ``jemalloc``/``tcmalloc``/``mimalloc`` if one is mapped
     (read from ``/proc/self/maps``), else ``glibc``, with ``+hugetlb`` when glibc's THP tunable is
-    set. For benchmark records: throughput on CPU depends on it."""
+    set and works here (:func:`glibc_hugetlb_works`). For benchmark records: throughput on CPU
+    depends on it."""
     if maps is None:
         try:
             maps = Path("/proc/self/maps").read_text()
@@ -122,5 +180,6 @@ def allocator_in_use(maps: str | None = None, environ: Mapping[str, str] | None 
         if f"lib{name}" in maps:
             return name
     env = os.environ if environ is None else environ
-    return "glibc+hugetlb" if "glibc.malloc.hugetlb=1" in env.get("GLIBC_TUNABLES", "") \
-        else "glibc"
+    tuned = "glibc.malloc.hugetlb=1" in env.get("GLIBC_TUNABLES", "")
+    works = glibc_hugetlb_works() if glibc_thp is None else glibc_thp
+    return "glibc+hugetlb" if tuned and works else "glibc"

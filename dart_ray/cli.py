@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import warnings
+from typing import NoReturn
 
 from dart_ray.allocator import allocator_in_use
 from dart_ray.config import EngineConfig, RenamedWarning, add_engine_args, engine_args
@@ -221,17 +222,39 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def entry() -> None:
-    """The ``dart-ray`` console script: re-executes itself once under a fast CPU allocator (see
-    :mod:`dart_ray.allocator`; ``DART_RAY_ALLOCATOR=system`` opts out), then runs :func:`main`."""
+def _device_arg(argv: list[str]) -> str:
+    """The ``--device`` value on a command line ('' if none), read before parsing."""
+    for i, x in enumerate(argv):
+        if x == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if x.startswith("--device="):
+            return x.split("=", 1)[1]
+    return ""
+
+
+def entry() -> NoReturn:
+    """The ``dart-ray`` console script (and ``python -m dart_ray.cli``): a command that runs an
+    engine or training in this process on CPU re-executes itself once, with the same command line,
+    under a fast allocator (:mod:`dart_ray.allocator`; ``DART_RAY_ALLOCATOR=system`` opts out);
+    then :func:`main`."""
     from dart_ray.allocator import reexec_argv
 
-    plan = reexec_argv(sys.argv[1:])
+    argv = sys.argv[1:]
+    command = next((x for x in argv if not x.startswith("-")), None)
+    device = _device_arg(argv)
+    try:
+        plan = None if device.startswith("cuda") else reexec_argv(command)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if plan is not None:
         args, env = plan
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(args[0], args, env)
+        try:
+            os.execve(args[0], args, env)
+        except OSError as e:        # the interpreter went away: run here, on this allocator
+            print(f"warning: could not restart under a faster allocator ({e})", file=sys.stderr)
     sys.exit(main())
 
 

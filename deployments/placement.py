@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dart_ray import actor_allocator_env
+
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 """Ray placement-group strategies accepted for one replica's TP bundles."""
 
@@ -75,16 +77,16 @@ def placement_options(tensor_parallel_size: int, device: str, num_cpus_per_worke
 
 def replica_actor_options(device: str, num_cpus: float) -> dict:
     """``ray_actor_options`` of the replica actor (rank 0): fits bundle 0 of
-    :func:`placement_options`."""
+    :func:`placement_options`. A CPU replica also gets the fast allocator's variables as its
+    ``runtime_env`` (``dart_ray.actor_allocator_env``: read from this process's environment and
+    libraries; ``DART_RAY_ALLOCATOR=system`` leaves them out)."""
     opts: dict = {"num_cpus": float(num_cpus)}
     if _is_gpu(device):
         opts["num_gpus"] = 1.0
     else:
         # a CPU engine runs ~25 % faster under jemalloc (or glibc's huge-page tunable); both are
         # process-start settings, so the replica actor starts with them (dart_ray.allocator)
-        from dart_ray import fast_allocator_env
-
-        env = fast_allocator_env()
+        env = actor_allocator_env()
         if env:
             opts["runtime_env"] = {"env_vars": env}
     return opts

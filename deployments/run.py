@@ -81,15 +81,6 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None,
     if temp_dir:
         Path(temp_dir).mkdir(parents=True, exist_ok=True)
         kw["_temp_dir"] = str(Path(temp_dir).resolve())
-    # CPU engines in this cluster's workers start under a fast allocator (dart_ray.allocator);
-    # a runtime_env the caller passes keeps its own env_vars over these
-    from dart_ray import fast_allocator_env
-
-    alloc = fast_allocator_env()
-    if alloc:
-        renv = dict(kw.get("runtime_env") or {})
-        renv["env_vars"] = {**alloc, **(renv.get("env_vars") or {})}
-        kw["runtime_env"] = renv
     if worker_niceness is not None:
         kw["_system_config"] = {"worker_niceness": worker_niceness, **kw.get("_system_config", {})}
     with _keep_loopback_node_ip(node_ip_address):

@@ -18,7 +18,7 @@ from dart_ray import (
     Engine,
     EngineConfig,
     SamplingParams,
-    fast_allocator_env,
+    actor_allocator_env,
     load_profile,
 )
 from tuning.report import short_number
@@ -96,7 +96,7 @@ def init_ray(s: TuneSettings) -> bool:
             kw["_temp_dir"] = s.ray_temp_dir
     if not s.engine.device.startswith("cuda"):
         # CPU trials measure throughput: run them under the allocator serving uses (~25 % apart)
-        alloc = fast_allocator_env()
+        alloc = actor_allocator_env()
         if alloc:
             kw["runtime_env"] = {"env_vars": alloc}
     ray.init(**kw)

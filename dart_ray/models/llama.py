@@ -34,12 +34,13 @@ class RMSNorm(nn.Module):
 
 def fold_mask(mask: torch.Tensor | None, rep: int, T: int) -> torch.Tensor | None:
     """An additive mask [B, 1, T, S] for the GQA-folded query layout ([B, H_kv, rep*T, D], row
-    r*T + t = token t): [B, 1, rep*T, S]. A mask already folded (rep*T rows) or None passes
-    through, so a caller may fold once for all layers."""
-    if mask is None or rep == 1 or T == 1 or mask.shape[-2] == rep * T:
+    r*T + t = token t): [B, 1, rep*T, S]. None, a mask already folded (rep*T rows) and one that
+    broadcasts over the queries (1 row) pass through, so a caller may fold once for all layers."""
+    if mask is None or rep == 1 or T == 1 or mask.shape[-2] in (1, rep * T):
         return mask
-    if mask.shape[-2] != T:
-        raise ValueError(f"mask has {mask.shape[-2]} query rows, want {T} or {rep * T}")
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2] != T:
+        raise ValueError(f"mask must be [B, 1, {T} or {rep * T} or 1, S] (one mask for every "
+                         f"head), got {tuple(mask.shape)}")
     return mask.repeat(1, 1, rep, 1)                                          # [B, 1, rep*T, S]
 
 
@@ -81,7 +82,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q.reshape(B, self.n_kv, rep * T, self.head_dim), keys, values,
                 attn_mask=fold_mask(mask, rep, T),
-            ).view(B, self.n_heads, T, self.head_dim)                         # [B, H, T, D]
+            ).reshape(B, self.n_heads, T, self.head_dim)                      # [B, H, T, D]
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                  enable_gqa=rep > 1)          # [B, H, T, D]

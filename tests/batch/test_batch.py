@@ -482,3 +482,19 @@ def test_a_hung_actor_stalls_the_pipeline_which_resumes_exactly_once(
     assert table.column("error").null_count == n
     assert set(table.column("num_completion_tokens").to_pylist()) == {MAX_NEW}
     assert "resumed after a stall: 1x" in summary.format()
+
+
+def test_cpu_engine_actors_start_under_the_fast_allocator(monkeypatch):
+    """A CPU engine actor's Ray options carry the allocator variables (a process-start setting);
+    a CUDA one's do not, nor any when the user opted out."""
+    from batch.job import engine_actor_options
+    from dart_ray import EngineConfig, actor_allocator_env
+
+    for k in ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES", "DART_RAY_ALLOCATOR"):
+        monkeypatch.delenv(k, raising=False)
+    want = actor_allocator_env()
+    cpu = engine_actor_options(EngineConfig(method="ngram"))
+    assert cpu == ({"runtime_env": {"env_vars": want}} if want else {})
+    assert engine_actor_options(EngineConfig(method="ngram", device="cuda")) == {}
+    monkeypatch.setenv("DART_RAY_ALLOCATOR", "system")
+    assert engine_actor_options(EngineConfig(method="ngram")) == {}

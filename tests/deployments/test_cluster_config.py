@@ -84,12 +84,12 @@ def test_deployment_placement_spread_and_strict_pack(monkeypatch):
 def test_cpu_replicas_start_under_the_fast_allocator(monkeypatch):
     """A CPU replica's actor gets the allocator variables (a process-start setting, see
     dart_ray.allocator) through its runtime_env; a GPU replica is left as it is."""
-    from dart_ray import fast_allocator_env
+    from dart_ray import actor_allocator_env
     from deployments.placement import deployment_placement
 
     for k in ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES", "DART_RAY_ALLOCATOR"):
         monkeypatch.delenv(k, raising=False)
-    want = fast_allocator_env()
+    want = actor_allocator_env()
     opts = deployment_placement({"num_cpus": 0.5})["ray_actor_options"]
     if want:
         assert opts["runtime_env"] == {"env_vars": want}

@@ -145,12 +145,12 @@ def test_models_and_health(server, client):
     # the dtype the replica resolved, why, and the machine it measured (issue 14)
     assert body["dtype"] in ("fp32", "bf16", "fp16") and body["dtype_reason"] and body["machine"]
     # the replica process started under the allocator its runtime_env names (dart_ray.allocator)
-    from dart_ray import fast_allocator_env
+    from dart_ray import actor_allocator_env
 
-    want = fast_allocator_env()
+    want = actor_allocator_env()
     expect = ("jemalloc" if "jemalloc" in want.get("LD_PRELOAD", "")
-              else "glibc+hugetlb" if "GLIBC_TUNABLES" in want else None)
-    assert body["allocator"] == (expect or body["allocator"]) and body["allocator"] != "unknown"
+              else "glibc+hugetlb" if "GLIBC_TUNABLES" in want else "glibc")
+    assert body["allocator"] == expect
 
 
 def test_completion_matches_reference_and_stream(client, reference):

@@ -30,8 +30,12 @@ def test_fold_mask_rows_follow_the_folded_queries():
     assert fold_mask(None, 4, 3) is None and fold_mask(m, 1, 3) is m
     one = torch.randn(2, 1, 1, 7)
     assert fold_mask(one, 4, 1) is one                                # one query broadcasts
-    with pytest.raises(ValueError, match="query rows"):
+    row = torch.randn(2, 1, 1, 7)
+    assert fold_mask(row, 4, 3) is row                                # broadcasts over queries
+    with pytest.raises(ValueError, match="one mask for every head"):
         fold_mask(torch.randn(2, 1, 5, 7), 4, 3)
+    with pytest.raises(ValueError, match="one mask for every head"):
+        fold_mask(torch.randn(2, 4, 3, 7), 4, 3)                      # per-head masks
 
 
 @pytest.mark.parametrize("heads,kv", [(6, 2), (4, 1), (4, 4)])

@@ -391,7 +391,7 @@ def test_init_ray_gives_cpu_trials_the_fast_allocator(tmp_path, monkeypatch):
     passed as the job's runtime_env); a CUDA tuning run is left as it is."""
     import ray
 
-    from dart_ray import fast_allocator_env
+    from dart_ray import actor_allocator_env
     from tuning.runner import TuneSettings
     from tuning.start import init_ray
 
@@ -402,7 +402,7 @@ def test_init_ray_gives_cpu_trials_the_fast_allocator(tmp_path, monkeypatch):
         monkeypatch.delenv(k, raising=False)
     s = TuneSettings(prompts="p.jsonl", workload="w", out=str(tmp_path / "w.yaml"))
     assert init_ray(s) is True
-    want = fast_allocator_env()
+    want = actor_allocator_env()
     assert seen[-1].get("runtime_env") == ({"env_vars": want} if want else None)
     s.engine = EngineConfig(device="cuda")
     init_ray(s)
