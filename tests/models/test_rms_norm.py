@@ -36,3 +36,14 @@ def test_training_path_keeps_autograd():
     x = torch.randn(2, 8, requires_grad=True)
     norm(x).sum().backward()
     assert x.grad is not None and norm.weight.grad is not None
+
+
+def test_weights_made_under_inference_mode():
+    """Inference tensors have no version counter; the norm still follows their updates."""
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        norm = RMSNorm(8, 1e-5)
+        first = norm(x)
+        norm.weight.mul_(3)
+        torch.testing.assert_close(norm(x), 3 * first)
+    torch.testing.assert_close(first, F.rms_norm(x, (8,), torch.ones(8), 1e-5))
