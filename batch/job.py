@@ -444,7 +444,7 @@ def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa
 def engine_actor_options(engine: EngineConfig) -> dict:
     """Ray options of an engine actor beyond its CPUs: a CPU engine starts under a fast allocator
     (a process-start setting, ~25 % of its speed; see ``dart_ray.allocator``), a CUDA one as is."""
-    env = {} if str(engine.device).startswith("cuda") else actor_allocator_env()
+    env = actor_allocator_env(device=engine.device)
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 

@@ -122,18 +122,26 @@ def fast_allocator_env(environ: Mapping[str, str] | None = None,
     return {"GLIBC_TUNABLES": f"{tunables}:{GLIBC_HUGETLB}" if tunables else GLIBC_HUGETLB}
 
 
-def actor_allocator_env(environ: Mapping[str, str] | None = None,
-                        jemalloc: bool | None = None) -> dict[str, str]:
-    """:func:`fast_allocator_env` for a Ray actor that may run on another node: jemalloc by its
-    soname (each node's loader finds its own copy; a node without one runs on glibc after ld.so's
-    "cannot be preloaded" line) where this machine has one or preloads one, and none of this
-    process's other ``LD_PRELOAD`` entries (profilers, shims). ``jemalloc``: None = look here."""
+def is_cpu(device: str) -> bool:
+    """Whether an engine on ``device`` (``cpu``, ``cuda:1``, '' = the default, CPU) runs on CPU:
+    only CPU engines get the allocator; GPU ones are left as they are (jemalloc never purges, and
+    a GPU engine stages its checkpoint in host memory)."""
+    return (device or "cpu").split(":", 1)[0] == "cpu"
+
+
+def actor_allocator_env(environ: Mapping[str, str] | None = None, jemalloc: bool | None = None,
+                        device: str = "cpu") -> dict[str, str]:
+    """:func:`fast_allocator_env` for a Ray actor running an engine on ``device`` (empty unless
+    CPU), which may run on another node: jemalloc by its soname (each node's loader finds its own
+    copy; a node without one runs on glibc after ld.so's "cannot be preloaded" line) where this
+    machine has one or preloads one, and none of this process's other ``LD_PRELOAD`` entries
+    (profilers, shims). ``jemalloc``: None = look here."""
     env = os.environ if environ is None else environ
-    if not sys.platform.startswith("linux") or _opted_out(env):
+    if not is_cpu(device):
         return {}
     has = (find_jemalloc() is not None or "jemalloc" in env.get("LD_PRELOAD", "")) \
         if jemalloc is None else jemalloc
-    own = {k: env[k] for k in ("MALLOC_CONF", "GLIBC_TUNABLES") if k in env}
+    own = {k: env[k] for k in ("MALLOC_CONF", "GLIBC_TUNABLES", OPT_OUT) if k in env}
     return fast_allocator_env(own, jemalloc=JEMALLOC_SONAME if has else False)
 
 
@@ -146,16 +154,18 @@ def _opted_out(env: Mapping[str, str]) -> bool:
 
 def reexec_argv(command: str | None, environ: Mapping[str, str] | None = None,
                 jemalloc: str | None | bool = True, orig_argv: Sequence[str] | None = None,
-                glibc_thp: bool | None = None) -> tuple[list[str], dict[str, str]] | None:
+                glibc_thp: bool | None = None,
+                device: str = "") -> tuple[list[str], dict[str, str]] | None:
     """``(argv, env)`` to re-execute this process's own command line (``sys.orig_argv``:
     interpreter flags, ``-m``, a profiler or debugger in front all kept) under a fast allocator,
     or None when it should go on as it is: ``command`` does not run an engine in this process
-    (:data:`REEXEC_COMMANDS`), it already has the setting, the user opted out, the interpreter is
-    frozen, or this is the re-executed process (``DART_RAY_ALLOCATOR_SET``)."""
+    (:data:`REEXEC_COMMANDS`), its ``--device`` is not the CPU, it already has the setting, the
+    user opted out, the interpreter is frozen, or this is the re-executed process
+    (``DART_RAY_ALLOCATOR_SET``)."""
     env = dict(os.environ if environ is None else environ)
     argv = list(sys.orig_argv if orig_argv is None else orig_argv)
-    if (command not in REEXEC_COMMANDS or env.get(MARKER) or not sys.executable or not argv
-            or getattr(sys, "frozen", False)):
+    if (command not in REEXEC_COMMANDS or not is_cpu(device) or env.get(MARKER)
+            or not sys.executable or not argv or getattr(sys, "frozen", False)):
         return None
     extra = fast_allocator_env(env, jemalloc, glibc_thp)
     if all(env.get(k) == v for k, v in extra.items()):

@@ -241,9 +241,8 @@ def entry() -> NoReturn:
 
     argv = sys.argv[1:]
     command = next((x for x in argv if not x.startswith("-")), None)
-    device = _device_arg(argv)
     try:
-        plan = None if device.startswith("cuda") else reexec_argv(command)
+        plan = reexec_argv(command, device=_device_arg(argv))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -94,11 +94,10 @@ def init_ray(s: TuneSettings) -> bool:
             kw["num_cpus"] = s.ray_num_cpus
         if s.ray_temp_dir:
             kw["_temp_dir"] = s.ray_temp_dir
-    if not s.engine.device.startswith("cuda"):
-        # CPU trials measure throughput: run them under the allocator serving uses (~25 % apart)
-        alloc = actor_allocator_env()
-        if alloc:
-            kw["runtime_env"] = {"env_vars": alloc}
+    # CPU trials measure throughput: run them under the allocator serving uses (~25 % apart)
+    alloc = actor_allocator_env(device=s.engine.device)
+    if alloc:
+        kw["runtime_env"] = {"env_vars": alloc}
     ray.init(**kw)
     return True
 
