@@ -16,7 +16,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 drafter-v4-data drafter-v5-experiment heldout-code drafter-v6 drafter-v7 drafter-v8-data drafter-v8 drafter-v9 drafter-v10 gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 drafter-v4-data drafter-v5-experiment heldout-code drafter-v6 drafter-v7 drafter-v8-data drafter-v8 drafter-v9 drafter-v10 eval-answers drafter-v11-data drafter-v11 gpu-check clean
 
 setup: $(STAMP)
 
@@ -246,6 +246,35 @@ drafter-v10: setup heldout-code drafter-v8-data
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter $(SITTING_TRAIN) --data $(V8)/data,$(V6)/code,$(V9)/code,$(V10)/code \
 	  --out $(V10)/drafter --resume $(V9)/drafter --prompt-weight $(V9_PROMPT_WEIGHT) --max-steps $(V10_STEPS) \
 	  --lr 1.5e-4 --eval-every 400 --time-budget $(V10_BUDGET_S) --teacher-cache $(TEACHER) --teacher-cache-gb 6
+
+# Issue 17, thirteenth sitting (the same AMD EPYC Zen 4): scored on the target's answers to requests written apart
+# from any training prompt (the chat set, a second hand-written set, HumanEval: `gen-data --eval-prompts`), v10's
+# level-1 top-1 on chat answers is ~0.46, not the 0.63 of the self-instruct split -- the list-style prompts and their
+# held-out split share one narrow distribution. So: requests the target writes as the user's turn of its own chat
+# template (`gen-prompts --style pre-query`, Magpie), answered, plus stdlib code answers, and v10 trained on.
+EVALSETS ?= $(RUNS)/evalsets
+EVAL_SETS ?= chat chat-probe humaneval
+V11 ?= $(RUNS)/v11
+V11_V10_COMMIT ?= 04cedeb
+V11_CHAT ?= 1600
+V11_CODE ?= 400
+V11_STEPS ?= 520
+V11_BUDGET_S ?= 3300
+eval-answers: setup
+	for s in $(EVAL_SETS); do $(FAST_ENV) $(BIN)/dart-ray gen-data --eval-prompts $$s --out $(EVALSETS)/$$s \
+	  --max-new-tokens 128 --batch-size 64 --shard-size 256 --threads 2 --method none || exit 1; done
+drafter-v11-data: setup
+	$(FAST_ENV) $(BIN)/dart-ray gen-prompts --out $(V11)/prompts --style pre-query --temperature 1.0 --top-p 0.95 \
+	  --max-new-tokens 96 --batch-size 32 --shard-size 128 --n $(V11_CHAT) --multi-turn-frac 0.15 --seed 13
+	$(FAST_ENV) $(BIN)/dart-ray gen-data --out $(V11)/data --prompts $(V11)/prompts --n-chat $(V11_CHAT) --n-code 0 \
+	  --max-new-tokens 192 --batch-size 64 --shard-size 256 --threads 2 --method none --seed 11
+	$(FAST_ENV) $(BIN)/dart-ray $(CODE_ANSWERS) --out $(V11)/code --n-code $(V11_CODE) --only-split train --seed 11
+drafter-v11: setup eval-answers drafter-v11-data
+	$(call git_dir,$(V11_V10_COMMIT),$(SHIPPED)/drafter,$(V11)/v10-drafter)
+	$(FAST_ENV) $(BIN)/dart-ray train-drafter --arch dart:8 --lr-schedule fresh --epochs 100 --warmup 20 \
+	  --seqs-per-step 8 --max-len 320 --threads 2 --eval-seqs 96 --data $(V11)/data,$(V11)/code --out $(V11)/drafter \
+	  --eval-data $(EVALSETS)/chat-probe,$(EVALSETS)/humaneval --resume $(V11)/v10-drafter --prompt-weight 0.1 \
+	  --max-steps $(V11_STEPS) --lr 2e-4 --eval-every 260 --time-budget $(V11_BUDGET_S)
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup

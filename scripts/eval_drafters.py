@@ -8,6 +8,10 @@ The numbers in a drafter's card come from its own run's held-out split; comparin
 trained on different data needs one split for both. This uses ``--data``'s ``val`` rows (the split
 is by prompt hash, so no drafter trained on them if it trained on a split of the same prompts).
 
+``--data`` may also name directories of evaluation answers (``dart-ray gen-data --eval-prompts chat
+--out runs/evalsets/chat``): their rows are scored as their own domain (``chat@chat``), the target's
+answers to requests written apart from every training prompt.
+
     python scripts/eval_drafters.py --data runs/a,runs/b --out eval.json \\
         shipped=dart_ray/artifacts/SmolLM2-135M-Instruct/drafter new=runs/x/drafter
 """
@@ -50,11 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     dtype = resolve_dtype(a.dtype, "cpu")
     tgt = load_target(None, dtype.dtype, "cpu", max_seq_len=a.max_len + 8)
-    train_rows = load_rows(a.data, "train")
     if a.split == "train":
-        val, _ = _val_by_domain(train_rows, [], a.eval_seqs)
+        val, _ = _val_by_domain(load_rows(a.data, "train"), [], a.eval_seqs)
     else:
-        val, held_out = _val_by_domain(train_rows, load_rows(a.data, "val"), a.eval_seqs)
+        val, held_out = _val_by_domain([], load_rows(a.data, "val"), a.eval_seqs)
         if not held_out:
             raise SystemExit(f"{a.data} has no held-out rows")
     students, names = [], []

@@ -10,14 +10,21 @@ import json
 from pathlib import Path
 
 CHAT_SET = Path(__file__).resolve().parent / "data" / "chat_prompts.jsonl"
+CHAT_PROBE = Path(__file__).resolve().parent / "data" / "chat_probe.jsonl"
+"""40 more hand-written everyday requests, written apart from the chat set and from every training
+prompt generator: a second set to score drafters on (``gen-data --eval-prompts chat-probe``), so a
+choice made while looking at one set can be checked on the other."""
 
 
 def load_prompts(path: str | Path, column: str = "prompt", limit: int | None = None) -> list[str]:
-    """Read prompts from a .jsonl or .parquet file (or the names ``humaneval`` / ``chat``)."""
+    """Read prompts from a .jsonl or .parquet file (or the names ``humaneval`` / ``chat`` /
+    ``chat-probe``)."""
     if str(path) == "humaneval":
         prompts = humaneval_prompts()
     elif str(path) == "chat":
         prompts = load_prompts(CHAT_SET, column)
+    elif str(path) == "chat-probe":
+        prompts = load_prompts(CHAT_PROBE, column)
     else:
         path = Path(path)
         if not path.is_file():

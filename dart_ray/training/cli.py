@@ -10,7 +10,7 @@ import sys
 
 
 def gen_prompts_cli(argv: list[str] | None = None) -> int:
-    from dart_ray.training.selfinstruct import generate_prompts
+    from dart_ray.training.selfinstruct import STYLES, generate_prompts
 
     p = argparse.ArgumentParser(prog="dart-ray gen-prompts",
                                 description="self-instruct chat prompts written by the target "
@@ -36,10 +36,14 @@ def gen_prompts_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shards", type=int, default=None,
                    help="stop after N shards (rerun to extend)")
     p.add_argument("--device", default="cpu", help="torch device of the target (cpu, cuda)")
+    p.add_argument("--style", choices=STYLES, default="list",
+                   help="list: few-shot lists of one category's requests, the target writes the "
+                        "next; pre-query: the target writes the user's turn of its own chat "
+                        "template (Magpie), from its own prior over requests")
     a = p.parse_args(argv)
     out = generate_prompts(a.out, a.n, a.model, a.dtype, a.temperature, a.top_p, a.max_new_tokens,
                            a.batch_size, a.shard_size, a.seed, a.multi_turn_frac, a.threshold,
-                           a.threads, a.max_shards, device=a.device)
+                           a.threads, a.max_shards, device=a.device, style=a.style)
     print(f"prompts in {out}: "
           f"{(out / 'stats.json').read_text() if (out / 'stats.json').is_file() else ''}")
     return 0
@@ -87,7 +91,22 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--only-split", choices=SPLITS, default=None,
                    help="answer only the prompts that hash to this split (val: a larger held-out "
                         "set for scripts/eval_drafters.py, never trained on)")
+    p.add_argument("--eval-prompts", default=None,
+                   help="answer this evaluation prompt set instead (chat, humaneval or a .jsonl/"
+                        ".parquet file): every row held out, the directory marked so no training "
+                        "run reads it; score drafters on it with scripts/eval_drafters.py --data "
+                        "or train-drafter --eval-data")
     a = p.parse_args(argv)
+    if a.eval_prompts is not None:
+        if a.text_tokens or a.prompts or a.exclude_data or a.only_split:
+            p.error("--eval-prompts answers an evaluation set alone (no --text-tokens, --prompts, "
+                    "--exclude-data or --only-split)")
+        out = generate_data(a.out, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
+                            temperature=a.temperature, model=a.model, dtype=a.dtype,
+                            method=a.method, shard_size=a.shard_size, seed=a.seed,
+                            threads=a.threads, device=a.device, eval_prompts=a.eval_prompts)
+        print(f"evaluation answers in {out}")
+        return 0
     if a.text_tokens:
         from dart_ray.training.gen_data import write_text_corpus
 

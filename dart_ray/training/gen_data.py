@@ -18,6 +18,13 @@ near an evaluation prompt), then answers it; ``prompt_ids`` is the chat template
 [user, assistant, user] and ``response_ids`` the second answer, so one row teaches both turns. A
 follow-up that fails these checks leaves the row single-turn.
 
+**Evaluation answers** (``eval_prompts``, ``gen-data --eval-prompts chat``): the target's greedy
+answers to an evaluation prompt set (the chat set, HumanEval, a file), every row in the ``val``
+split and the directory marked (:data:`EVAL_MARKER`), so ``scripts/eval_drafters.py --data DIR``
+and ``train-drafter --eval-data DIR`` score drafters on requests written apart from any training
+prompt, and ``train-drafter --data DIR`` is refused. A held-out split of self-instruct rows shares
+their generator's distribution (same categories, near-duplicate answers); these do not.
+
 ``corpus.json`` in the output directory records the prompt list's hash: resuming with another
 corpus (other counts, seed or prompt directory) is refused instead of mixing two corpora.
 """
@@ -41,6 +48,20 @@ text, not the drafter's serving accuracy on code."""
 SPLITS = ("train", "val")
 """The splits a row can be in (:func:`split_of`)."""
 
+EVAL_MARKER = "eval_set.json"
+"""Written into a directory of evaluation answers: what it answers; no training run reads it."""
+
+
+def eval_corpus(prompts: str) -> list[dict]:
+    """Rows of the evaluation prompt set ``prompts`` (``chat``, ``humaneval`` or a file; see
+    :func:`dart_ray.bench.prompts.load_prompts`): HumanEval's prompts are code continued without
+    the chat template (as ``dart-ray bench`` runs them), every other set is chat."""
+    from dart_ray.bench.prompts import load_prompts
+
+    code = str(prompts) == "humaneval"
+    return [{"prompt": p, "source": "code" if code else "chat", "chat": not code}
+            for p in load_prompts(prompts)]
+
 
 def split_of(prompt: str, val_frac: float) -> str:
     h = int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
@@ -54,7 +75,8 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
                   | None = None, progress: bool = True, corpus: list[dict] | None = None,
                   max_shards: int | None = None, prompts_dir: str | Path | None = None,
                   followup_temperature: float = 0.7, engine=None, device: str = "cpu",
-                  exclude_data: str | Path | None = None, only_split: str | None = None) -> Path:
+                  exclude_data: str | Path | None = None, only_split: str | None = None,
+                  eval_prompts: str | None = None) -> Path:
     """Generate target answers for ``corpus`` (default: :func:`build_corpus`, its chat half from
     ``prompts_dir`` when given) into parquet shards (only the first ``max_shards`` shards when
     given: a budgeted run that a later call may extend). ``method``: the engine's method (any is
@@ -64,7 +86,9 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
     left out of this corpus, so ``train-drafter --data THIS,THAT`` trains on both without
     duplicates. ``only_split``: answer only the prompts whose hash puts them in that split (``val``:
     a bigger held-out set that no training run can have seen, at ``val_frac`` of the cost of
-    answering everything; ``train``: rows that add nothing to the held-out set)."""
+    answering everything; ``train``: rows that add nothing to the held-out set).
+    ``eval_prompts``: answer that evaluation prompt set instead (:func:`eval_corpus`), every row
+    ``val``, the directory marked as evaluation answers (see the module docstring)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -73,9 +97,19 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
     from dart_ray.training.neardup import EvalFilter
 
     out = Path(out_dir)
+    if eval_prompts is not None and (corpus is not None or prompts_dir is not None
+                                     or exclude_data or only_split):
+        raise ValueError("eval_prompts answers an evaluation set alone: no corpus, prompts_dir, "
+                         "exclude_data or only_split with it")
+    if eval_prompts is None and (out / EVAL_MARKER).is_file():
+        raise ValueError(f"{out} holds evaluation answers; use a new --out for training data")
     out.mkdir(parents=True, exist_ok=True)
     evals = None  # the evaluation prompts (built once: the corpus and the follow-ups check them)
-    if corpus is not None:
+    if eval_prompts is not None:
+        rows = eval_corpus(eval_prompts)
+        write_marker = json.dumps({"prompts": str(eval_prompts), "rows": len(rows)})
+        (out / EVAL_MARKER).write_text(write_marker)
+    elif corpus is not None:
         rows = corpus
     else:
         chat_rows = None
@@ -123,7 +157,9 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
             for k, (r, p_ids, c) in enumerate(zip(part, ids, comps, strict=True)):
                 rec = {"prompt": r["prompt"], "source": r["source"], "chat": chat,
                        "prompt_ids": p_ids,
-                       "response_ids": c.token_ids, "split": split_of(r["prompt"], val_frac),
+                       "response_ids": c.token_ids,
+                       "split": "val" if eval_prompts is not None else split_of(r["prompt"],
+                                                                                 val_frac),
                        "category": r.get("category", ""), "followup": ""}
                 if k in follow:
                     rec.update(follow[k])
@@ -236,18 +272,35 @@ def load_sequences(data_dir: str | Path, split: str) -> list[tuple[list[int], in
 
 def load_rows(data_dir: str | Path, split: str) -> list[tuple[list[int], int, str]]:
     """(prompt + response ids, prompt length, domain) for every row of ``split``; the domain is
-    ``chat``, ``code`` (the target's answers to code prompts) or ``text`` (:data:`DOMAINS`)."""
+    ``chat``, ``code`` (the target's answers to code prompts) or ``text`` (:data:`DOMAINS`), tagged
+    with the set's name in a directory of evaluation answers (:func:`eval_set_tag`)."""
     import pyarrow.parquet as pq
 
+    if split == "train":
+        marked = [d for d in str(data_dir).split(",") if d and (Path(d) / EVAL_MARKER).is_file()]
+        if marked:
+            raise ValueError(f"{', '.join(marked)}: evaluation answers (gen-data --eval-prompts), "
+                             "never training data; pass them as --eval-data")
     files = data_files(data_dir)
     out = []
     for f in files:
+        tag = eval_set_tag(f.parent)
         t = pq.read_table(f, columns=["prompt_ids", "response_ids", "split", "source"]).to_pydict()
         for p, r, s, src in zip(t["prompt_ids"], t["response_ids"], t["split"], t["source"],
                                 strict=True):
             if s == split and len(r) >= 2:
-                out.append((list(p) + list(r), len(p), DOMAINS.get(src, "chat")))
+                out.append((list(p) + list(r), len(p), DOMAINS.get(src, "chat") + tag))
     return out
+
+
+def eval_set_tag(data_dir: str | Path) -> str:
+    """``"@NAME"`` for a directory of evaluation answers to the prompt set NAME (its rows are their
+    own evaluation domain, e.g. ``chat@chat-probe``, apart from a training data's held-out split),
+    ``""`` for training data."""
+    marker = Path(data_dir) / EVAL_MARKER
+    if not marker.is_file():
+        return ""
+    return "@" + Path(json.loads(marker.read_text())["prompts"]).stem
 
 
 def describe_data(data_dir: str | Path) -> dict:

@@ -3,7 +3,9 @@ chain length (:func:`evaluate`, :func:`evaluate_domains`), the metrics log (``me
 its plot (``training.png``).
 
 Definitions (held-out rows, per domain ``chat`` / ``code`` / ``text``: the target's answers to chat
-and code prompts, and teacher-only stdlib source; ``all`` pools them):
+and code prompts, and teacher-only stdlib source; ``chat@SET`` / ``code@SET``: its answers to an
+evaluation prompt set, ``gen-data --eval-prompts SET``, requests written apart from every training
+prompt; ``all`` pools them):
 
 * **level-k top-1 / top-5**: over every prefix j of a held-out sequence with position j+k inside
   it, whether the drafter's level-k prediction (top-1, or any of its top-5) equals the target's

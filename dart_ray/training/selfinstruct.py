@@ -17,6 +17,16 @@ Every generated line goes through, in order:
 3. :class:`~dart_ray.training.neardup.NearDupIndex`: dropped if a near-duplicate (word-bigram
    Jaccard >= 0.7) of a prompt kept earlier or of a few-shot example.
 
+**Style ``pre-query``** (Magpie, Xu et al. 2024) asks for nothing: the target samples from its own
+chat template cut just before the user's text (``<|im_start|>system ... <|im_start|>user\\n``), so it
+writes the kind of request its instruction tuning saw, from its own prior over users instead of from
+ten hand-made categories. On SmolLM2-135M-Instruct at temperature 1 these are everyday requests
+("I'm planning a solo camping trip to the mountains ... Can you help me plan it?"); the ones cut by
+the token limit or spread over several lines are dropped, the rest go through the same filters.
+The list style's requests are answered and held out from one narrow distribution: a drafter scored
+0.63 level-1 top-1 on that held-out split and 0.46 on the target's answers to requests written
+apart from it (issue 17, thirteenth sitting).
+
 A fraction of the kept prompts is marked ``multi_turn``: ``gen-data`` answers them, then the target
 writes a follow-up user turn that refers back to its own answer (:func:`followup_meta_prompt`,
 same cleaning), then answers that; the training row is the whole two-turn conversation.
@@ -308,11 +318,47 @@ def _seed_of(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
 
 
+STYLES = ("list", "pre-query")
+"""How a request is asked for: ``list`` (a few-shot list of one category's requests, item 4 left
+to the target) or ``pre-query`` (the chat template up to the user's text: the target's own
+prior)."""
+
+PRE_QUERY = "pre-query"
+"""The ``category`` of a pre-query request (it has no category or sub-topic)."""
+
+
+def pre_query_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where the user's text begins (system turn included,
+    as :func:`dart_ray.encode_prompt` renders it). Raises if the template does not put the user's
+    text after a fixed prefix."""
+    sentinel = "QQSENTINELQQ"
+    full = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}],
+                                         add_generation_prompt=True, tokenize=False)
+    if full.count(sentinel) != 1:
+        raise ValueError("the chat template does not render the user's text once")
+    prefix = full[:full.index(sentinel)]
+    ids = list(tokenizer.encode(prefix, add_special_tokens=False))
+    whole = list(tokenizer.apply_chat_template([{"role": "user", "content": sentinel}],
+                                               add_generation_prompt=True, tokenize=True,
+                                               return_dict=False))
+    if not ids or whole[:len(ids)] != ids:
+        raise ValueError("the chat template's pre-query prefix does not tokenise as a prefix of a "
+                         "rendered conversation")
+    return ids
+
+
 def shard_plan(shard: int, size: int, seed: int = 0, multi_turn_frac: float = 0.2,
-               categories: tuple[Category, ...] = CATEGORIES) -> list[Slot]:
+               categories: tuple[Category, ...] = CATEGORIES, style: str = "list") -> list[Slot]:
     """The meta-prompts of shard ``shard``: categories in rotation, a random sub-topic and three
-    random examples each; a function of (seed, shard) only."""
+    random examples each (``style="list"``), or one sample of the pre-query prefix each
+    (``"pre-query"``: ``prompt`` is empty, the caller sends the prefix); a function of
+    (seed, shard, style) only."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, not {style!r}")
     rng = random.Random(_seed_of("plan", seed, shard))
+    if style == PRE_QUERY:
+        return [Slot(PRE_QUERY, "", "", _seed_of("pre-query", seed, shard, k),
+                     rng.random() < multi_turn_frac) for k in range(size)]
     out = []
     for k in range(size):
         cat = categories[(shard * size + k) % len(categories)]
@@ -342,11 +388,13 @@ class PromptFilters:
         return cls(EvalFilter(eval_prompts, threshold), dedup,
                    {"generated": 0, "unclean": 0, "evaluation": 0, "duplicate": 0, "kept": 0})
 
-    def admit(self, raw: str, complete: bool = True) -> str | None:
+    def admit(self, raw: str, complete: bool = True, one_line: bool = False) -> str | None:
         """The cleaned request if it passes every filter (and is then remembered), else None.
-        ``complete``: False when generation hit its token limit (the line may be cut: dropped)."""
+        ``complete``: False when generation hit its token limit (the line may be cut: dropped).
+        ``one_line``: drop text spread over several lines (a whole generated user turn, whose first
+        line alone may be half a request) instead of keeping its first line."""
         self.counts["generated"] += 1
-        text = clean_request(raw) if complete else None
+        text = clean_request(raw) if complete and not (one_line and "\n" in raw.strip()) else None
         if text is None:
             self.counts["unclean"] += 1
             return None
@@ -393,8 +441,11 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
                      seed: int = 0, multi_turn_frac: float = 0.2,
                      threshold: float = DEFAULT_THRESHOLD, threads: int | None = None,
                      max_shards: int | None = None, eval_prompts: list[str] | None = None,
-                     progress: bool = True, engine=None, device: str = "cpu") -> Path:
+                     progress: bool = True, engine=None, device: str = "cpu",
+                     style: str = "list") -> Path:
     """Generate until ``n`` prompts are kept (or ``max_shards`` shards exist); resumable.
+    ``style``: how requests are asked for (:data:`STYLES`; ``pre-query`` samples the chat template's
+    user turn, stopping at its end-of-turn token).
 
     ``engine``: an :class:`~dart_ray.Engine` to use (default: one for ``model`` with plain
     decoding on a fixed schedule, so seeded samples are reproducible). ``eval_prompts``: the
@@ -404,10 +455,13 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
     out.mkdir(parents=True, exist_ok=True)
     params = {"n": n, "seed": seed, "temperature": temperature, "top_p": top_p,
               "shard_size": shard_size, "multi_turn_frac": multi_turn_frac, "threshold": threshold,
-              "max_new_tokens": max_new_tokens}
+              "max_new_tokens": max_new_tokens, "style": style}
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, not {style!r}")
     plan_file = out / "plan.json"
     if plan_file.is_file():
         old = json.loads(plan_file.read_text())
+        old.setdefault("style", "list")   # plans written before styles existed
         changed = {k: (old.get(k), v) for k, v in params.items() if k != "n" and old.get(k) != v}
         if changed:
             raise ValueError(f"{out} holds prompts generated with other settings {changed}; use a "
@@ -439,13 +493,18 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=n, initial=kept, desc="gen-prompts", unit="prompt")
+    prefix = pre_query_prefix(engine.tokenizer) if style == PRE_QUERY else None
     while kept < n and (max_shards is None or shard < max_shards):
-        slots = shard_plan(shard, shard_size, seed, multi_turn_frac)
+        slots = shard_plan(shard, shard_size, seed, multi_turn_frac, style=style)
+        # a list item ends at its line; a pre-query user turn at the end-of-turn token (eos)
+        stop = () if prefix is not None else ("\n",)
         sp = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             seed=s.seed, stop=("\n",)) for s in slots]
+                             seed=s.seed, stop=stop) for s in slots]
+        asks = [prefix if prefix is not None else s.prompt for s in slots]
         rows = []
-        for s, c in zip(slots, engine.generate([s.prompt for s in slots], sp), strict=True):
-            text = filters.admit(c.text, complete=c.finish_reason == "stop")
+        for s, c in zip(slots, engine.generate(asks, sp), strict=True):
+            text = filters.admit(c.text, complete=c.finish_reason == "stop",
+                                 one_line=prefix is not None)
             if text is not None:
                 rows.append({"prompt": text, "category": s.category, "subtopic": s.subtopic,
                              "multi_turn": s.multi_turn, "source": "chat"})

