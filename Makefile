@@ -258,8 +258,8 @@ V11 ?= $(RUNS)/v11
 V11_V10_COMMIT ?= 04cedeb
 V11_CHAT ?= 1600
 V11_CODE ?= 400
-V11_STEPS ?= 520
-V11_BUDGET_S ?= 3300
+V11_STEPS ?= 420
+V11_BUDGET_S ?= 2700
 eval-answers: setup
 	for s in $(EVAL_SETS); do $(FAST_ENV) $(BIN)/dart-ray gen-data --eval-prompts $$s --out $(EVALSETS)/$$s \
 	  --max-new-tokens 128 --batch-size 64 --shard-size 256 --threads 2 --method none || exit 1; done
@@ -274,7 +274,7 @@ drafter-v11: setup eval-answers drafter-v11-data
 	$(FAST_ENV) $(BIN)/dart-ray train-drafter --arch dart:8 --lr-schedule fresh --epochs 100 --warmup 20 \
 	  --seqs-per-step 8 --max-len 320 --threads 2 --eval-seqs 96 --data $(V11)/data,$(V11)/code --out $(V11)/drafter \
 	  --eval-data $(EVALSETS)/chat-probe,$(EVALSETS)/humaneval --resume $(V11)/v10-drafter --prompt-weight 0.1 \
-	  --max-steps $(V11_STEPS) --lr 2e-4 --eval-every 260 --time-budget $(V11_BUDGET_S)
+	  --max-steps $(V11_STEPS) --lr 2e-4 --eval-every 210 --time-budget $(V11_BUDGET_S)
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup

@@ -23,9 +23,11 @@ writes the kind of request its instruction tuning saw, from its own prior over u
 ten hand-made categories. On SmolLM2-135M-Instruct at temperature 1 these are everyday requests
 ("I'm planning a solo camping trip to the mountains ... Can you help me plan it?"); the ones cut by
 the token limit or spread over several lines are dropped, the rest go through the same filters.
-The list style's requests are answered and held out from one narrow distribution: a drafter scored
-0.63 level-1 top-1 on that held-out split and 0.46 on the target's answers to requests written
-apart from it (issue 17, thirteenth sitting).
+Neither style's held-out split predicts serving: a drafter trained on list-style answers scored
+0.63 level-1 top-1 on their held-out split and 0.46 on the target's answers to requests written
+apart from every generator (``gen-data --eval-prompts``), where the target itself is less sure
+(mean top-1 probability 0.585 on those answers vs 0.688 on its answers to its own pre-query
+requests; issue 17, thirteenth sitting).
 
 A fraction of the kept prompts is marked ``multi_turn``: ``gen-data`` answers them, then the target
 writes a follow-up user turn that refers back to its own answer (:func:`followup_meta_prompt`,
