@@ -18,9 +18,9 @@ Every generated line goes through, in order:
    Jaccard >= 0.7) of a prompt kept earlier or of a few-shot example.
 
 **Style ``pre-query``** (Magpie, Xu et al. 2024) asks for nothing: the target samples from its own
-chat template cut just before the user's text (``<|im_start|>system ... <|im_start|>user\\n``), so it
-writes the kind of request its instruction tuning saw, from its own prior over users instead of from
-ten hand-made categories. On SmolLM2-135M-Instruct at temperature 1 these are everyday requests
+chat template cut just before the user's text (``<|im_start|>system ... <|im_start|>user\\n``), so
+it writes the kind of request its instruction tuning saw, from its own prior over users instead of
+from ten hand-made categories. On SmolLM2-135M-Instruct at temperature 1 these are everyday requests
 ("I'm planning a solo camping trip to the mountains ... Can you help me plan it?"); the ones cut by
 the token limit or spread over several lines are dropped, the rest go through the same filters.
 Neither style's held-out split predicts serving: a drafter trained on list-style answers scored
