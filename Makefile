@@ -252,6 +252,7 @@ drafter-v10: setup heldout-code drafter-v8-data
 # level-1 top-1 on chat answers is ~0.46, not the 0.63 of the self-instruct split -- the list-style prompts and their
 # held-out split share one narrow distribution. So: requests the target writes as the user's turn of its own chat
 # template (`gen-prompts --style pre-query`, Magpie), answered, plus stdlib code answers, and v10 trained on.
+# Result (NOT shipped): chat answers +1 point level 1, HumanEval answers -0.6, equal end to end (docs/BENCHMARKS.md).
 EVALSETS ?= $(RUNS)/evalsets
 EVAL_SETS ?= chat chat-probe humaneval
 V11 ?= $(RUNS)/v11
