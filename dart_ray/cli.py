@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark methods on a prompt file (one process, "
                                      "interleaved, medians)")
     b.add_argument("--prompts", required=True,
-                   help=".jsonl/.parquet with a 'prompt' column, or humaneval|chat")
+                   help=".jsonl/.parquet with a 'prompt' column, or humaneval|chat|chat-probe")
     b.add_argument("--methods", default="ar,ngram,dart,hf,hf-pld",
                    help="comma list of ar, ngram, sps, medusa, eagle, dart, hf, hf-pld")
     b.add_argument("--chat", action="store_true")

@@ -101,14 +101,13 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
                                      or exclude_data or only_split):
         raise ValueError("eval_prompts answers an evaluation set alone: no corpus, prompts_dir, "
                          "exclude_data or only_split with it")
-    if eval_prompts is None and (out / EVAL_MARKER).is_file():
-        raise ValueError(f"{out} holds evaluation answers; use a new --out for training data")
+    _check_eval_marker(out, eval_prompts)
     out.mkdir(parents=True, exist_ok=True)
     evals = None  # the evaluation prompts (built once: the corpus and the follow-ups check them)
+    marker = None
     if eval_prompts is not None:
         rows = eval_corpus(eval_prompts)
-        write_marker = json.dumps({"prompts": str(eval_prompts), "rows": len(rows)})
-        (out / EVAL_MARKER).write_text(write_marker)
+        marker = json.dumps({"prompts": str(eval_prompts), "rows": len(rows)})
     elif corpus is not None:
         rows = corpus
     else:
@@ -127,6 +126,8 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
             raise ValueError(f"only_split must be one of {SPLITS}, not {only_split!r}")
         rows = [r for r in rows if split_of(r["prompt"], val_frac) == only_split]
     _check_corpus_manifest(out, rows, shard_size)
+    if marker is not None and not (out / EVAL_MARKER).is_file():
+        (out / EVAL_MARKER).write_text(marker)      # after the checks: a refused run marks nothing
     shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)][:max_shards]
     todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.parquet").is_file()]
     if not todo:
@@ -293,6 +294,23 @@ def load_rows(data_dir: str | Path, split: str) -> list[tuple[list[int], int, st
     return out
 
 
+def _check_eval_marker(out: Path, eval_prompts: str | None) -> None:
+    """Refuse to write training rows into a directory of evaluation answers, evaluation answers
+    into a directory of training data, or one evaluation set's answers into another's."""
+    marker = out / EVAL_MARKER
+    if eval_prompts is None:
+        if marker.is_file():
+            raise ValueError(f"{out} holds evaluation answers; use a new --out for training data")
+        return
+    if marker.is_file():
+        have = json.loads(marker.read_text())["prompts"]
+        if have != str(eval_prompts):
+            raise ValueError(f"{out} holds the evaluation answers of {have!r}, not "
+                             f"{eval_prompts!r}; use a new --out")
+    elif any(out.glob("shard-*.parquet")) or any(out.glob("text-*.parquet")):
+        raise ValueError(f"{out} holds training data; evaluation answers need a new --out")
+
+
 def eval_set_tag(data_dir: str | Path) -> str:
     """``"@NAME"`` for a directory of evaluation answers to the prompt set NAME (its rows are their
     own evaluation domain, e.g. ``chat@chat-probe``, apart from a training data's held-out split),
@@ -333,6 +351,8 @@ def write_text_corpus(out_dir: str | Path, n_tokens: int, model: str | None = No
     """
     import random
     import sysconfig
+
+    _check_eval_marker(Path(out_dir), None)
 
     import pyarrow as pa
     import pyarrow.parquet as pq

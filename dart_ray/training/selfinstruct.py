@@ -345,7 +345,8 @@ def pre_query_prefix(tokenizer) -> list[int]:
                                                return_dict=False))
     if not ids or whole[:len(ids)] != ids:
         raise ValueError("the chat template's pre-query prefix does not tokenise as a prefix of a "
-                         "rendered conversation")
+                         "rendered conversation (a template that joins the user's text to the "
+                         "token before it, e.g. a space after [INST]); use --style list")
     return ids
 
 

@@ -283,7 +283,7 @@ class _PreQueryEngine:
             "Can you explain what a blockchain is?",
             "Can you explain what a blockchain is, please?",                # a near-duplicate
             "Why do cats purr, and does it always mean they are happy?",    # an evaluation prompt
-            "Here is my essay:\nThe sea is blue. Can you improve it?",       # several lines
+            "Can you help me plan a trip to Rome?\nI have three days.",      # several lines
             "My laptop fan is loud whenever I open a browser. What can I check?",
             "Write a thank-you note for a neighbour who fed my cat all week.")
 
@@ -305,7 +305,8 @@ class _PreQueryEngine:
         for p, sp in zip(prompts, params, strict=True):
             assert p == self.prefix and sp.stop == () and sp.temperature > 0
             k = sp.seed % (len(self.POOL) + 1)
-            outs.append(_Done("I need help with " * 30, "length") if k == len(self.POOL)
+            outs.append(_Done("Can you give me three tips for sleeping?", "length")  # cut
+                        if k == len(self.POOL)
                         else _Done(self.POOL[k]))
         return outs
 
@@ -321,8 +322,8 @@ def test_generate_prompts_pre_query_style(tmp_path):
     texts = [r["prompt"] for r in rows]
     assert eng.calls == 48 and texts
     assert {r["category"] for r in rows} == {PRE_QUERY}
-    assert not any("\n" in t or "Here is my essay" in t for t in texts)        # several lines
-    assert not any(t.startswith("I need help with I need") for t in texts)      # cut by the limit
+    assert not any("trip to Rome" in t for t in texts)                           # several lines
+    assert not any("tips for sleeping" in t for t in texts)                      # cut by the limit
     assert not any(t in EvalFilter() for t in texts)                             # evaluation
     assert len([t for t in texts if "blockchain" in t]) == 1                     # near-duplicate
     assert len(texts) == len(set(texts)) <= 4
@@ -378,6 +379,21 @@ def test_eval_answers_are_held_out_and_never_training_data(tmp_path, tiny_dirs):
     with pytest.raises(ValueError, match="alone"):
         generate_data(tmp_path / "x", eval_prompts=str(f), only_split="val", engine=eng,
                       progress=False)
+    # another set into it, answers into training data, text rows into it: refused, nothing marked
+    g = tmp_path / "other.jsonl"
+    g.write_text(json.dumps({"prompt": "Name three rivers in Africa."}) + "\n")
+    with pytest.raises(ValueError, match="evaluation answers of"):
+        generate_data(out, max_new_tokens=6, engine=eng, progress=False, eval_prompts=str(g))
+    assert json.loads((out / EVAL_MARKER).read_text())["prompts"] == str(f)
+    train = generate_data(tmp_path / "train", n_code=0, n_chat=2, max_new_tokens=4, engine=eng,
+                          progress=False)
+    with pytest.raises(ValueError, match="holds training data"):
+        generate_data(train, max_new_tokens=6, engine=eng, progress=False, eval_prompts=str(f))
+    assert not (train / EVAL_MARKER).exists()
+    from dart_ray.training.gen_data import write_text_corpus
+
+    with pytest.raises(ValueError, match="evaluation answers"):
+        write_text_corpus(out, 1000)
 
 
 def test_eval_corpus_runs_humaneval_as_code_without_the_template():
