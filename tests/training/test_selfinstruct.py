@@ -406,3 +406,12 @@ def test_eval_corpus_runs_humaneval_as_code_without_the_template():
     assert len(rows) == 164 and all(r["source"] == "code" and not r["chat"] for r in rows)
     chat = eval_corpus("chat")
     assert len(chat) >= 20 and all(r["chat"] and r["source"] == "chat" for r in chat)
+
+
+def test_the_chat_probe_set_is_apart_from_the_chat_set():
+    from dart_ray.bench.prompts import load_prompts
+
+    probe, chat = load_prompts("chat-probe"), load_prompts("chat")
+    f = EvalFilter(chat)
+    assert len(probe) == len(set(probe)) == 40
+    assert [p for p in probe if p in f] == []
