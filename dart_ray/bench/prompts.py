@@ -14,6 +14,8 @@ CHAT_PROBE = Path(__file__).resolve().parent / "data" / "chat_probe.jsonl"
 """40 more hand-written everyday requests, written apart from the chat set and from every training
 prompt generator: a second set to score drafters on (``gen-data --eval-prompts chat-probe``), so a
 choice made while looking at one set can be checked on the other."""
+NAMED_SETS = {"chat": CHAT_SET, "chat-probe": CHAT_PROBE}
+"""The shipped prompt files by the names ``load_prompts`` takes."""
 
 
 def load_prompts(path: str | Path, column: str = "prompt", limit: int | None = None) -> list[str]:
@@ -21,10 +23,8 @@ def load_prompts(path: str | Path, column: str = "prompt", limit: int | None = N
     ``chat-probe``)."""
     if str(path) == "humaneval":
         prompts = humaneval_prompts()
-    elif str(path) == "chat":
-        prompts = load_prompts(CHAT_SET, column)
-    elif str(path) == "chat-probe":
-        prompts = load_prompts(CHAT_PROBE, column)
+    elif str(path) in NAMED_SETS:
+        prompts = load_prompts(NAMED_SETS[str(path)], column)
     else:
         path = Path(path)
         if not path.is_file():

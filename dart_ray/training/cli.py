@@ -97,29 +97,24 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
                         "run reads it; score drafters on it with scripts/eval_drafters.py --data "
                         "or train-drafter --eval-data")
     a = p.parse_args(argv)
-    if a.eval_prompts is not None:
-        if a.text_tokens or a.prompts or a.exclude_data or a.only_split:
-            p.error("--eval-prompts answers an evaluation set alone (no --text-tokens, --prompts, "
-                    "--exclude-data or --only-split)")
-        out = generate_data(a.out, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
-                            temperature=a.temperature, model=a.model, dtype=a.dtype,
-                            method=a.method, shard_size=a.shard_size, seed=a.seed,
-                            threads=a.threads, device=a.device, eval_prompts=a.eval_prompts)
-        print(f"evaluation answers in {out}")
-        return 0
+    if a.eval_prompts is not None and (a.text_tokens or a.prompts or a.exclude_data
+                                       or a.only_split):
+        p.error("--eval-prompts answers an evaluation set alone (no --text-tokens, --prompts, "
+                "--exclude-data or --only-split)")
     if a.text_tokens:
         from dart_ray.training.gen_data import write_text_corpus
 
         print(f"text rows in {write_text_corpus(a.out, a.text_tokens, a.model, seed=a.seed)}")
-    if a.n_code + a.n_chat == 0:
+    if a.n_code + a.n_chat == 0 and a.eval_prompts is None:
         return 0
     out = generate_data(a.out, a.n_code, a.n_chat, a.max_new_tokens, a.batch_size, a.temperature,
                         a.model, a.dtype, method=a.method, shard_size=a.shard_size, seed=a.seed,
                         threads=a.threads,
                         max_shards=a.max_shards, prompts_dir=a.prompts,
                         followup_temperature=a.followup_temperature, device=a.device,
-                        exclude_data=a.exclude_data or None, only_split=a.only_split)
-    print(f"data in {out}")
+                        exclude_data=a.exclude_data or None, only_split=a.only_split,
+                        eval_prompts=a.eval_prompts)
+    print(f"{'evaluation answers' if a.eval_prompts is not None else 'data'} in {out}")
     return 0
 
 

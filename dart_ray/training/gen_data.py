@@ -59,7 +59,7 @@ def eval_corpus(prompts: str) -> list[dict]:
     from dart_ray.bench.prompts import load_prompts
 
     code = str(prompts) == "humaneval"
-    return [{"prompt": p, "source": "code" if code else "chat", "chat": not code}
+    return [{"prompt": p, "source": "code" if code else "chat", "chat": not code, "split": "val"}
             for p in load_prompts(prompts)]
 
 
@@ -159,8 +159,7 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
                 rec = {"prompt": r["prompt"], "source": r["source"], "chat": chat,
                        "prompt_ids": p_ids,
                        "response_ids": c.token_ids,
-                       "split": "val" if eval_prompts is not None else split_of(r["prompt"],
-                                                                                 val_frac),
+                       "split": r.get("split") or split_of(r["prompt"], val_frac),
                        "category": r.get("category", ""), "followup": ""}
                 if k in follow:
                     rec.update(follow[k])
@@ -278,14 +277,15 @@ def load_rows(data_dir: str | Path, split: str) -> list[tuple[list[int], int, st
     import pyarrow.parquet as pq
 
     if split == "train":
-        marked = [d for d in str(data_dir).split(",") if d and (Path(d) / EVAL_MARKER).is_file()]
+        marked = [d for d in str(data_dir).split(",") if d and eval_set_of(d) is not None]
         if marked:
             raise ValueError(f"{', '.join(marked)}: evaluation answers (gen-data --eval-prompts), "
                              "never training data; pass them as --eval-data")
     files = data_files(data_dir)
+    tags = {d: eval_set_tag(d) for d in {f.parent for f in files}}     # read each marker once
     out = []
     for f in files:
-        tag = eval_set_tag(f.parent)
+        tag = tags[f.parent]
         t = pq.read_table(f, columns=["prompt_ids", "response_ids", "split", "source"]).to_pydict()
         for p, r, s, src in zip(t["prompt_ids"], t["response_ids"], t["split"], t["source"],
                                 strict=True):
@@ -297,13 +297,12 @@ def load_rows(data_dir: str | Path, split: str) -> list[tuple[list[int], int, st
 def _check_eval_marker(out: Path, eval_prompts: str | None) -> None:
     """Refuse to write training rows into a directory of evaluation answers, evaluation answers
     into a directory of training data, or one evaluation set's answers into another's."""
-    marker = out / EVAL_MARKER
+    have = eval_set_of(out)
     if eval_prompts is None:
-        if marker.is_file():
+        if have is not None:
             raise ValueError(f"{out} holds evaluation answers; use a new --out for training data")
         return
-    if marker.is_file():
-        have = json.loads(marker.read_text())["prompts"]
+    if have is not None:
         if have != str(eval_prompts):
             raise ValueError(f"{out} holds the evaluation answers of {have!r}, not "
                              f"{eval_prompts!r}; use a new --out")
@@ -315,10 +314,15 @@ def eval_set_tag(data_dir: str | Path) -> str:
     """``"@NAME"`` for a directory of evaluation answers to the prompt set NAME (its rows are their
     own evaluation domain, e.g. ``chat@chat-probe``, apart from a training data's held-out split),
     ``""`` for training data."""
+    name = eval_set_of(data_dir)
+    return "" if name is None else "@" + Path(name).stem
+
+
+def eval_set_of(data_dir: str | Path) -> str | None:
+    """The evaluation prompt set a directory answers (its :data:`EVAL_MARKER`), None for training
+    data."""
     marker = Path(data_dir) / EVAL_MARKER
-    if not marker.is_file():
-        return ""
-    return "@" + Path(json.loads(marker.read_text())["prompts"]).stem
+    return json.loads(marker.read_text())["prompts"] if marker.is_file() else None
 
 
 def describe_data(data_dir: str | Path) -> dict:

@@ -497,10 +497,10 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
         from tqdm import tqdm
         bar = tqdm(total=n, initial=kept, desc="gen-prompts", unit="prompt")
     prefix = pre_query_prefix(engine.tokenizer) if style == PRE_QUERY else None
+    # a list item ends at its line; a pre-query user turn at the end-of-turn token (eos)
+    stop = () if prefix is not None else ("\n",)
     while kept < n and (max_shards is None or shard < max_shards):
         slots = shard_plan(shard, shard_size, seed, multi_turn_frac, style=style)
-        # a list item ends at its line; a pre-query user turn at the end-of-turn token (eos)
-        stop = () if prefix is not None else ("\n",)
         sp = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              seed=s.seed, stop=stop) for s in slots]
         asks = [prefix if prefix is not None else s.prompt for s in slots]
