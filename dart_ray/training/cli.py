@@ -168,10 +168,13 @@ def train_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="size of the drafter's own vocabulary (the data answers' most frequent "
                         "tokens); a resumed drafter keeps its own unless --revocab")
-    p.add_argument("--revocab", action="store_true",
-                   help="with --resume ... --lr-schedule fresh: re-choose the draft vocabulary "
-                        "(--draft-vocab tokens) from this data; shared tokens keep their trained "
-                        "head rows, new ones start from the target's")
+    p.add_argument("--revocab", nargs="?", const="replace", default=None,
+                   choices=("replace", "extend"),
+                   help="with --resume ... --lr-schedule fresh: a new draft vocabulary of "
+                        "--draft-vocab tokens: 'replace' (the default) = this data's most frequent "
+                        "answer tokens, 'extend' = the resumed drafter's tokens plus this data's "
+                        "most frequent others; shared tokens keep their trained head rows, new "
+                        "ones start from the target's")
     p.add_argument("--mlp-width", type=int, default=None,
                    help="dart/eagle: units of the drafter layer's MLP (default: the target's); "
                         "with --resume ... --lr-schedule fresh a narrower drafter is grown to it, "

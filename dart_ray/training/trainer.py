@@ -171,11 +171,13 @@ class TrainConfig:
     ``resume`` (``lr_schedule="fresh"``) from a narrower drafter, it is grown to this width with its
     function kept (new units' down-projection starts at zero: :func:`~dart_ray.training.objectives.
     grow_mlp`)."""
-    revocab: bool = False
-    """With ``resume`` and ``lr_schedule="fresh"`` (an objective that ``revocabs``: dart, eagle):
-    choose a new draft vocabulary of ``draft_vocab`` tokens from this data's answers instead of
-    keeping the source's; the head rows of the tokens both share carry over, new ones start from
-    the target's head rows (:func:`dart_ray.training.vocab.revocab_head`)."""
+    revocab: str | None = None
+    """With ``resume`` and ``lr_schedule="fresh"`` (an objective that ``revocabs``: dart, eagle),
+    a new draft vocabulary of ``draft_vocab`` tokens instead of the source's: ``replace`` = this
+    data's most frequent answer tokens; ``extend`` = every token of the source's plus this data's
+    most frequent answer tokens outside it (``draft_vocab`` >= the source's). The head rows of the
+    tokens both share carry over, new ones start from the target's head rows
+    (:func:`dart_ray.training.vocab.revocab_head`)."""
 
     def __post_init__(self) -> None:
         objective = get_objective(self.arch)
@@ -233,6 +235,9 @@ class TrainConfig:
             able = [a for a in objective_names() if get_objective(a).sizes_mlp]
             raise ValueError(f"mlp_width sizes the MLP of one drafter of {able} (>= 1 units, no "
                              f"joint students), got {self.mlp_width} for {self.arch!r}")
+        if self.revocab not in (None, *REVOCAB_MODES):
+            raise ValueError(f"revocab must be one of {REVOCAB_MODES} or None, got "
+                             f"{self.revocab!r}")
         if self.revocab and (self.resume is None or self.lr_schedule != "fresh" or self.joint
                              or not objective.revocabs or not self.draft_vocab):
             able = [a for a in objective_names() if get_objective(a).revocabs]
@@ -243,6 +248,7 @@ class TrainConfig:
 
 
 LR_SCHEDULES = ("continue", "fresh")
+REVOCAB_MODES = ("replace", "extend")
 RESTART_FREE = ("out", "time_budget_s", "eval_every", "ckpt_every", "eval_seqs", "eval_data",
                 "threads", "data", "dtype", "device", "teacher_cache_gb", "teacher_cache")
 """TrainConfig fields a restarted run may change (they fix neither the plan nor the data order;
@@ -263,6 +269,8 @@ def run_key(cfg: TrainConfig, data_key: str) -> dict:
     d["resume"] = str(Path(cfg.resume).resolve()) if cfg.resume else None
     d["joint"] = list(d["joint"])
     d["sps_layers"] = list(d["sps_layers"])
+    # revocab was a bool before "extend": runs saved then keep restarting
+    d["revocab"] = {None: False, "replace": True}.get(cfg.revocab, cfg.revocab)
     return {**d, "data_key": data_key}
 
 
@@ -574,8 +582,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     if cfg.mlp_width and sources[cfg.arch].kind in ("checkpoint", "drafter"):
         sources[cfg.arch] = _grow_source(sources[cfg.arch], cfg)
     if cfg.revocab and sources[cfg.arch].kind in ("checkpoint", "drafter"):
+        keep = sources[cfg.arch].state["model"]["d2t"] if cfg.revocab == "extend" else None
         sources[cfg.arch] = _revocab_source(
-            sources[cfg.arch], choose_draft_vocab(train_seqs, cfg.draft_vocab, args.vocab_size),
+            sources[cfg.arch],
+            choose_draft_vocab(train_seqs, cfg.draft_vocab, args.vocab_size, keep=keep),
             target.lm_head.weight, train_seqs, args.vocab_size)
     kept = [s.state["model"]["d2t"] for s in sources.values() if s.kind != "new"
             and "d2t" in s.state["model"]]

@@ -17,13 +17,19 @@ import torch
 __all__ = ["choose_draft_vocab", "coverage", "revocab_head", "target_to_draft"]
 
 
-def choose_draft_vocab(seqs: list[tuple[list[int], int]], size: int, vocab: int) -> torch.Tensor:
+def choose_draft_vocab(seqs: list[tuple[list[int], int]], size: int, vocab: int,
+                       keep: torch.Tensor | None = None) -> torch.Tensor:
     """The ``size`` most frequent tokens of the answers (``ids[plen:]`` of each ``(ids, plen)``),
-    sorted ascending [size]. Ties (and unused slots) go to the lower token id."""
+    sorted ascending [size]. Ties (and unused slots) go to the lower token id. With ``keep`` (token
+    ids, at most ``size``): every one of them, the rest of the slots filled that way."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for ids, plen in seqs:
         if len(ids) > plen:
             counts += torch.bincount(torch.tensor(ids[plen:]), minlength=vocab)
+    if keep is not None:
+        if len(keep) > size:
+            raise ValueError(f"cannot keep {len(keep)} tokens in a draft vocabulary of {size}")
+        counts[keep.long()] = torch.iinfo(torch.long).max                # ranked before any count
     order = torch.sort(counts, descending=True, stable=True).indices
     return order[:min(size, vocab)].sort().values
 

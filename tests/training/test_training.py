@@ -682,6 +682,11 @@ def test_choose_draft_vocab_counts_answers_only():
     d2t = choose_draft_vocab(seqs, 2, 10)
     assert d2t.tolist() == [1, 2]
     assert coverage(seqs, d2t, 10) == pytest.approx(4 / 5)
+    # keep: every kept token (7 and 9 are never answered), then the answers' most frequent others
+    assert choose_draft_vocab(seqs, 4, 10, keep=torch.tensor([9, 7])).tolist() == [1, 2, 7, 9]
+    assert choose_draft_vocab(seqs, 3, 10, keep=torch.tensor([2, 7])).tolist() == [1, 2, 7]
+    with pytest.raises(ValueError, match="cannot keep 3"):
+        choose_draft_vocab(seqs, 2, 10, keep=torch.tensor([1, 2, 3]))
 
 
 def test_revocab_head_keeps_shared_rows_and_maps_new_ones():
@@ -717,13 +722,16 @@ def test_revocab_resume_re_chooses_the_vocabulary(tmp_path, tiny, tiny_dirs, tin
     shipped.to(torch.bfloat16).save(tmp_path / "shipped")
     src = DartModel.load(tmp_path / "shipped")
     with pytest.raises(ValueError, match="revocab"):
-        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "x"), revocab=True)
+        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "x"), revocab="replace")
     with pytest.raises(ValueError, match="revocab"):
-        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "x"), revocab=True,
+        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "x"), revocab="replace",
                   resume=str(tmp_path / "shipped"), lr_schedule="continue")
+    with pytest.raises(ValueError, match="revocab must be one of"):
+        _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "x"), revocab="grow",
+                  resume=str(tmp_path / "shipped"), lr_schedule="fresh")
     run = _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "z"), draft_vocab=128,
                     resume=str(tmp_path / "shipped"), lr_schedule="fresh", max_steps=1, lr=0.0,
-                    revocab=True)
+                    revocab="replace")
     s = train(run, progress=False)
     assert s["steps"] == 1
     got = DartModel.load(tmp_path / "z" / "drafter")
@@ -736,6 +744,40 @@ def test_revocab_resume_re_chooses_the_vocabulary(tmp_path, tiny, tiny_dirs, tin
     rows = torch.tensor([where[int(t)] for t in want[shared]])
     assert torch.equal(got.head.weight[shared], src.head.weight[rows])
     assert torch.equal(got.fc.weight, src.fc.weight)
+
+
+def test_revocab_extend_keeps_every_token(tmp_path, tiny, tiny_dirs, tiny_mixed_data):
+    """--revocab extend: the resumed drafter's whole vocabulary and its rows stay, the answers' most
+    frequent other tokens fill the new slots; a smaller vocabulary than the source's is refused."""
+    from dart_ray.training.gen_data import load_rows
+    from dart_ray.training.trainer import train
+    from dart_ray.training.vocab import choose_draft_vocab
+
+    cfg = DartConfig.for_target(tiny.args, tiny.model_id, depth=3, draft_vocab=64, tie_head=False)
+    shipped = DartModel(cfg).init_random(7)
+    shipped.d2t.copy_((torch.arange(64) * 7 % tiny.args.vocab_size).sort().values)
+    shipped.to(torch.bfloat16).save(tmp_path / "shipped")
+    src = DartModel.load(tmp_path / "shipped")
+    kw = {"resume": str(tmp_path / "shipped"), "lr_schedule": "fresh", "max_steps": 1,
+          "lr": 0.0, "revocab": "extend"}
+    run = _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "z"), draft_vocab=96, **kw)
+    train(run, progress=False)
+    got = DartModel.load(tmp_path / "z" / "drafter")
+    assert len(got.d2t) == 96 and bool(torch.isin(src.d2t, got.d2t).all())
+    seqs = [(ids, plen) for ids, plen, _ in load_rows(run.data, "train")]
+    counts = torch.zeros(tiny.args.vocab_size, dtype=torch.long)
+    for ids, plen in seqs:
+        counts += torch.bincount(torch.tensor(ids[plen:]), minlength=tiny.args.vocab_size)
+    added = got.d2t[~torch.isin(got.d2t, src.d2t)]
+    others = counts.clone()
+    others[src.d2t] = -1
+    assert int(counts[added].min()) >= int(others.topk(32).values[-1])   # the most frequent others
+    assert torch.equal(got.d2t, choose_draft_vocab(seqs, 96, tiny.args.vocab_size, keep=src.d2t))
+    where = torch.searchsorted(got.d2t, src.d2t)
+    assert torch.equal(got.head.weight[where], src.head.weight)
+    with pytest.raises(ValueError, match="cannot keep 64"):
+        train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "s"), draft_vocab=48,
+                        **kw), progress=False)
 
 
 def test_mlp_growth_keeps_the_drafter_and_trains_from_it(tmp_path, tiny, tiny_dirs,
@@ -826,6 +868,25 @@ def test_train_cli_resume_needs_an_explicit_schedule(tmp_path, capsys):
         with pytest.raises(SystemExit):
             train_cli(base + extra)
         assert msg in capsys.readouterr().err
+
+
+def test_train_cli_revocab_modes(tmp_path, capsys, monkeypatch):
+    """--revocab alone replaces the vocabulary (as before 'extend' existed); an unknown mode is a
+    usage error."""
+    import dart_ray.training.trainer as trainer
+    from dart_ray.training.cli import train_cli
+
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda cfg: seen.append(cfg) or {"final_eval": {}})
+    base = ["--data", str(tmp_path), "--out", str(tmp_path / "o"), "--resume", str(tmp_path / "r"),
+            "--lr-schedule", "fresh"]
+    assert train_cli(base + ["--revocab"]) == 0
+    assert train_cli(base + ["--revocab", "extend", "--draft-vocab", "12288"]) == 0
+    assert train_cli(base) == 0
+    assert [c.revocab for c in seen] == ["replace", "extend", None]
+    with pytest.raises(SystemExit):
+        train_cli(base + ["--revocab", "grow"])
+    assert "invalid choice: 'grow'" in capsys.readouterr().err
 
 
 def test_init_from_target_reproduces_the_target_layer(tiny):
