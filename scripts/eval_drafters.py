@@ -1,7 +1,8 @@
 """Held-out accuracy of several DART/EAGLE drafters on the SAME held-out prefixes (one teacher pass
 per batch serves them all), per domain: per-level top-1/top-5 vs the target's argmax and chain_tau
 (``--split train``: the same on training sequences, to see how much of it is memorisation); each
-over every prefix and over the answers' prefixes only (what serving drafts after; see
+over every prefix and over the answers' prefixes only (what serving drafts after), and the answers'
+level 1 by how sure the target is of each token and inside the draft vocabulary (see
 :mod:`dart_ray.training.metrics`).
 
 The numbers in a drafter's card come from its own run's held-out split; comparing two drafters
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{n:>10} {dom:>5} {part:>6}: top1 {[round(x, 3) for x in e['top1'][:4]]} "
                       f"top5 {[round(x, 3) for x in e['top5'][:2]]} chain_tau "
                       f"{e['chain_tau']:.2f}")
+            a_ = ev[dom]["answer"]
+            bins = " ".join(f">={b['p_min']:.1f}: {b['top1']:.3f} ({b['share']:.0%})"
+                            for b in a_["level1_by_confidence"])
+            print(f"{'':>10} {dom:>5} answer level 1 by the target's top-1 probability: {bins}; "
+                  f"inside the draft vocabulary {a_['level1_in_vocab']:.1%}")
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
     return 0

@@ -24,6 +24,11 @@ prompt; ``all`` pools them):
   count every prefix, the prompt's too (chat template, the user's request, a code prompt's
   human-written docstring), which no drafter ever drafts after; they are kept for comparison with
   earlier cards. Teacher-only text has no prompt: its two agree.
+* **level1_by_confidence**: level-1 top-1 split by how sure the target is of the token it
+  predicts (its top-1 probability there, in the bins of ``CONF_EDGES``), with each bin's share of
+  the prefixes: what is hard for the drafter and what is hard for anyone (a token the target gives
+  0.3 is one a drafter seldom matches). **level1_in_vocab**: the share of level-1 tokens inside
+  the drafter's draft vocabulary (the others it can never draft).
 
 Trees accept more than a chain (several candidates per level); the bench measures that tau.
 
@@ -64,6 +69,8 @@ if TYPE_CHECKING:
 
 PARTS = ("every", "answer")
 """The prefixes a count covers: every prefix, or the answer's (:func:`answer_prefixes`)."""
+CONF_EDGES = (0.3, 0.5, 0.7, 0.9)
+"""Bin edges of the target's top-1 probability for ``level1_by_confidence``."""
 
 
 @dataclass
@@ -81,6 +88,12 @@ class LevelCounts:
     """Prefixes with all levels inside their sequence."""
     chain_levels: int | None = None
     """Chain length when it differs from the number of levels (SpS: depth one-token drafts)."""
+    conf_top1: list[float] = field(default_factory=lambda: [0.0] * (len(CONF_EDGES) + 1))
+    """Correct level-1 top-1 predictions per bin of the target's top-1 probability."""
+    conf_total: list[float] = field(default_factory=lambda: [0.0] * (len(CONF_EDGES) + 1))
+    """Level-1 prefixes per bin of the target's top-1 probability."""
+    in_vocab: float = 0.0
+    """Level-1 prefixes whose token is inside the drafter's draft vocabulary (all without one)."""
     meta: dict = field(default_factory=dict)
 
     @classmethod
@@ -93,15 +106,22 @@ class LevelCounts:
 
         return LevelCounts(add(self.top1, other.top1), add(self.top5, other.top5),
                            add(self.total, other.total), self.chain_sum + other.chain_sum,
-                           self.n_prefixes + other.n_prefixes, self.chain_levels)
+                           self.n_prefixes + other.n_prefixes, self.chain_levels,
+                           add(self.conf_top1, other.conf_top1),
+                           add(self.conf_total, other.conf_total), self.in_vocab + other.in_vocab)
 
     def summary(self) -> dict:
         top1 = [c / max(t, 1.0) for c, t in zip(self.top1, self.total, strict=True)]
         top5 = [c / max(t, 1.0) for c, t in zip(self.top5, self.total, strict=True)]
+        n1 = max(self.total[0], 1.0)
+        lows = (0.0, *CONF_EDGES)
+        by_conf = [{"p_min": lo, "share": t / n1, "top1": c / max(t, 1.0)}
+                   for lo, c, t in zip(lows, self.conf_top1, self.conf_total, strict=True)]
         return {"top1": top1, "top5": top5,
                 "chain_tau": 1.0 + self.chain_sum / max(self.n_prefixes, 1),
                 "chain_len_indep": chain_len_indep(top1, self.chain_levels),
-                "n_prefixes": self.n_prefixes, **self.meta}
+                "n_prefixes": self.n_prefixes, "level1_in_vocab": self.in_vocab / n1,
+                "level1_by_confidence": by_conf, **self.meta}
 
 
 def chain_len_indep(top1: list[float], chain_levels: int | None = None) -> float:
@@ -137,12 +157,13 @@ def evaluate(students: Sequence[tuple[torch.nn.Module, TrainConfig]], target, ca
     for i in range(0, len(seqs), run.seqs_per_step):
         batch = seqs[i:i + run.seqs_per_step]
         tokens, lens = pad_batch([s[0][:run.max_len] for s in batch], target.embed.weight.device)
-        taps, top_id, _ = teacher_pass(target, cache, tokens, lens, order, run.teacher_topk)
+        taps, top_id, top_lp = teacher_pass(target, cache, tokens, lens, order, run.teacher_topk)
         truth = top_id[..., 0]                                                # [B, L] target argmax
+        sure = top_lp[..., 0].float().exp()                                   # [B, L] its prob.
         answer = answer_prefixes([s[1] for s in batch], tokens.shape[1] - 1, tokens.device)
         for k, (obj, want, (model, cfg)) in enumerate(zip(objs, wants, students, strict=True)):
             got = _score(obj, model, cfg, target, select_taps(taps, order, want), tokens, lens,
-                         truth, t2d, dtype, answer)
+                         truth, sure, t2d, dtype, answer)
             for part in counts[k]:
                 counts[k][part] += got[part]
     for model, _ in students:
@@ -151,10 +172,11 @@ def evaluate(students: Sequence[tuple[torch.nn.Module, TrainConfig]], target, ca
 
 
 def _score(obj, model, cfg: TrainConfig, target, taps: torch.Tensor | None,
-           tokens: torch.Tensor, lens: list[int], truth: torch.Tensor, t2d: torch.Tensor | None,
-           dtype: str, answer: torch.Tensor) -> dict[str, LevelCounts]:
-    """One student's counts on one batch (``truth`` [B, L]: the target's argmax; ``answer``
-    [B, J]: the answer prefixes), over every prefix and over the answer's."""
+           tokens: torch.Tensor, lens: list[int], truth: torch.Tensor, sure: torch.Tensor,
+           t2d: torch.Tensor | None, dtype: str, answer: torch.Tensor) -> dict[str, LevelCounts]:
+    """One student's counts on one batch (``truth`` [B, L]: the target's argmax, ``sure`` [B, L]
+    its probability; ``answer`` [B, J]: the answer prefixes), over every prefix and over the
+    answer's."""
     d = obj.levels(cfg)
     dev = tokens.device
     with student_autocast(dtype, dev):
@@ -168,6 +190,11 @@ def _score(obj, model, cfg: TrainConfig, target, taps: torch.Tensor | None,
         pred5 = model.d2t[pred5]
     hit1 = pred5[..., 0] == tgt                                               # [B, J, d]
     hit5 = (pred5 == tgt[..., None]).any(-1)
+    nbin = len(CONF_EDGES) + 1
+    conf_bin = torch.bucketize(sure[:, idx[:, 0]],                           # [B, J] level 1's
+                               torch.tensor(CONF_EDGES, device=dev), right=True)
+    inside = (torch.isin(tgt[..., 0], model.d2t.to(dev)) if t2d is not None
+              else torch.ones_like(hit1[..., 0]))                             # [B, J]
     out = {}
     for part, keep in (("every", None), ("answer", answer)):
         v = valid if keep is None else valid & keep[..., None]                # [B, J, d]
@@ -175,9 +202,15 @@ def _score(obj, model, cfg: TrainConfig, target, taps: torch.Tensor | None,
         lead, full = obj.leading_correct(ok1, v, lens, cfg)                   # [B, J], [B, J]
         if keep is not None:
             full = full & keep
+        v1 = v[..., 0]                                                        # [B, J]
         out[part] = LevelCounts(ok1.sum((0, 1)).float().tolist(), ok5.sum((0, 1)).float().tolist(),
                                 v.sum((0, 1)).float().tolist(), float(lead[full].sum()),
-                                int(full.sum()), chain_levels=obj.chain_levels(cfg))
+                                int(full.sum()), chain_levels=obj.chain_levels(cfg),
+                                conf_top1=torch.bincount(conf_bin[ok1[..., 0]], minlength=nbin)
+                                .float().tolist(),
+                                conf_total=torch.bincount(conf_bin[v1], minlength=nbin)
+                                .float().tolist(),
+                                in_vocab=float((inside & v1).sum()))
     return out
 
 

@@ -1143,6 +1143,53 @@ def test_answer_metrics_count_only_prefixes_that_drafting_meets(tiny):
     assert every["top1"] == got["top1"] and every["n_prefixes"] == got["n_prefixes"]
 
 
+def test_level1_by_confidence_and_inside_the_draft_vocabulary(tiny):
+    """The answers' level 1 split by the target's probability of its token (a loop is the oracle;
+    the probabilities are drawn so that every bin is used, the tokens so that the drafter is right
+    at about half the positions) and the share of those tokens inside the draft vocabulary (here
+    the multiples of 3)."""
+    import dart_ray.training.metrics as metrics
+    from dart_ray.training.objectives import answer_prefixes, get_objective, pad_batch, teacher_pass
+    from dart_ray.training.trainer import TrainConfig
+
+    cfg = TrainConfig(data="d", out="o", arch="dart", depth=2, seqs_per_step=3, max_len=40,
+                      draft_vocab=256, teacher_topk=4)
+    obj = get_objective("dart")
+    model = obj.build(cfg, tiny, torch.arange(256) * 3, new=True).eval()
+    g = torch.Generator().manual_seed(2)
+    seqs = [(torch.randint(0, tiny.args.vocab_size, (n,), generator=g).tolist(), p)
+            for n, p in ((40, 5), (33, 9), (38, 1))]
+    tokens, lens = pad_batch([s[0] for s in seqs])
+    cache = tiny.model.new_cache(3, 64)
+    taps, top_id, _ = teacher_pass(tiny.model, cache, tokens, lens, model.cfg.tap_layers, 4)
+    with torch.no_grad():
+        pred = model.d2t[obj.forward(model, tiny.model, taps, tokens).argmax(-1)]  # [B, J, d]
+    # a random drafter seldom agrees with the target: make it right at ~half the positions
+    truth = top_id[..., 0].clone()
+    agree = torch.rand(pred.shape[:2], generator=g) < 0.5                            # [B, J]
+    truth[:, 1:][agree] = pred[..., 0][agree]
+    sure = torch.rand(truth.shape, generator=g)
+    answer = answer_prefixes([p for _, p in seqs], tokens.shape[1] - 1, tokens.device)
+    got = metrics._score(obj, model, cfg, tiny.model, taps, tokens, lens, truth, sure,
+                         torch.zeros(1), "fp32", answer)["answer"].summary()
+    hits, total, inside = [0] * 5, [0] * 5, 0
+    for b, (ids, plen) in enumerate(seqs):
+        for j in range(max(plen - 1, 0), len(ids) - 1):
+            t = int(truth[b, j + 1])
+            k = sum(float(sure[b, j + 1]) >= e for e in metrics.CONF_EDGES)
+            total[k] += 1
+            hits[k] += int(pred[b, j, 0]) == t
+            inside += t % 3 == 0 and t < 768
+    assert min(total) > 0 and sum(hits) > 0 and 0 < inside < sum(total)
+    bins = got["level1_by_confidence"]
+    assert [b["p_min"] for b in bins] == [0.0, *metrics.CONF_EDGES]
+    assert [b["share"] for b in bins] == pytest.approx([n / sum(total) for n in total])
+    assert [b["top1"] for b in bins] == pytest.approx([h / n for h, n in zip(hits, total,
+                                                                             strict=True)])
+    assert got["level1_in_vocab"] == pytest.approx(inside / sum(total))
+    assert got["top1"][0] == pytest.approx(sum(hits) / sum(total))
+
+
 def test_data_made_in_parts_trains_as_one(tmp_path, tiny_dirs):
     """Data made in two sittings (e.g. on two machines): the second leaves out what the first
     answered (``exclude_data``), and ``--data A,B`` trains on their union, as one directory holding
