@@ -35,7 +35,8 @@ Trees accept more than a chain (several candidates per level); the bench measure
 ``metrics.jsonl`` records, one JSON object a line:
 ``{"kind": "train", "step", "loss", "lr", "per_level_loss", "wall_s"}`` every step and
 ``{"kind": "eval", "step", "domain", "top1", "top5", "chain_tau", "chain_len_indep", "n_prefixes",
-"answer": {the same over answer prefixes}, "held_out"}`` per domain at every evaluation. A
+"level1_in_vocab", "level1_by_confidence": [{"p_min", "share", "top1"}, ...], "answer": {the same
+over answer prefixes}, "held_out"}`` per domain at every evaluation. A
 restarted run drops the records past its checkpoint before appending, so the log of a resumed run
 equals an uninterrupted run's.
 """

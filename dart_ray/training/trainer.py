@@ -269,8 +269,6 @@ def run_key(cfg: TrainConfig, data_key: str) -> dict:
     d["resume"] = str(Path(cfg.resume).resolve()) if cfg.resume else None
     d["joint"] = list(d["joint"])
     d["sps_layers"] = list(d["sps_layers"])
-    # revocab was a bool before "extend": runs saved then keep restarting
-    d["revocab"] = {None: False, "replace": True}.get(cfg.revocab, cfg.revocab)
     return {**d, "data_key": data_key}
 
 
@@ -565,6 +563,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         # a setting added after the checkpoint was written reads as its default there
         old = {**{k: v for k, v in config_defaults().items() if k not in RESTART_FREE},
                **src.state["run_key"]}
+        if isinstance(old.get("revocab"), bool):     # a bool before "extend" existed
+            old["revocab"] = "replace" if old["revocab"] else None
         diff = {k: (old.get(k), key.get(k)) for k in sorted(set(old) | set(key))
                 if old.get(k) != key.get(k)}
         if diff:
@@ -583,6 +583,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         sources[cfg.arch] = _grow_source(sources[cfg.arch], cfg)
     if cfg.revocab and sources[cfg.arch].kind in ("checkpoint", "drafter"):
         keep = sources[cfg.arch].state["model"]["d2t"] if cfg.revocab == "extend" else None
+        if keep is not None and len(keep) == cfg.draft_vocab:
+            raise ValueError(f"revocab 'extend' adds no token: draft_vocab {cfg.draft_vocab} is "
+                             "the resumed drafter's own size; give a larger one (--draft-vocab)")
         sources[cfg.arch] = _revocab_source(
             sources[cfg.arch],
             choose_draft_vocab(train_seqs, cfg.draft_vocab, args.vocab_size, keep=keep),

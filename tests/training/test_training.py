@@ -508,8 +508,18 @@ def test_a_checkpoint_from_before_a_new_setting_still_restarts(tmp_path, tiny_di
     path = tmp_path / "r" / "checkpoint" / "state.pt"
     st = torch.load(path, weights_only=False)
     del st["run_key"]["mlp_width"]
+    del st["run_key"]["revocab"]
     torch.save(st, path)
     assert train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "r")),
+                 progress=False)["steps"] == 4
+    # revocab was a bool before "extend" existed: a run saved with False restarts too
+    cfg = _base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "f"), time_budget_s=1e-9)
+    train(cfg, progress=False)
+    path = tmp_path / "f" / "checkpoint" / "state.pt"
+    st = torch.load(path, weights_only=False)
+    st["run_key"]["revocab"] = False
+    torch.save(st, path)
+    assert train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "f")),
                  progress=False)["steps"] == 4
     with pytest.raises(ValueError, match="other settings"):
         train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "r"), lr=1e-2),
@@ -777,6 +787,9 @@ def test_revocab_extend_keeps_every_token(tmp_path, tiny, tiny_dirs, tiny_mixed_
     assert torch.equal(got.head.weight[where], src.head.weight)
     with pytest.raises(ValueError, match="cannot keep 64"):
         train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "s"), draft_vocab=48,
+                        **kw), progress=False)
+    with pytest.raises(ValueError, match="adds no token"):
+        train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "e"), draft_vocab=64,
                         **kw), progress=False)
 
 
