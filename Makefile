@@ -277,12 +277,14 @@ drafter-v11-data: setup
 	  --max-new-tokens 192 --batch-size 64 --shard-size 256 --threads 2 --method none --seed $(V11_SEED) $(V11_EXCLUDE_ARG)
 	$(FAST_ENV) $(BIN)/dart-ray $(CODE_ANSWERS) --out $(V11)/code --n-code $(V11_CODE) --only-split train \
 	  --seed $(V11_SEED) $(V11_EXCLUDE_ARG)
+# training on v11's data (drafter-v11 and drafter-v12 differ in source, vocabulary, steps and budget)
+V11_TRAIN = train-drafter --arch dart:8 --lr-schedule fresh --epochs 100 --warmup 20 --seqs-per-step 8 --max-len 320 \
+  --threads 2 --eval-seqs 96 --data $(V11)/data,$(V11)/code --eval-data $(EVALSETS)/chat-probe,$(EVALSETS)/humaneval \
+  --prompt-weight 0.1 --lr 2e-4
 drafter-v11: setup eval-answers drafter-v11-data
 	$(call git_dir,$(V11_V10_COMMIT),$(SHIPPED)/drafter,$(V11)/v10-drafter)
-	$(FAST_ENV) $(BIN)/dart-ray train-drafter --arch dart:8 --lr-schedule fresh --epochs 100 --warmup 20 \
-	  --seqs-per-step 8 --max-len 320 --threads 2 --eval-seqs 96 --data $(V11)/data,$(V11)/code --out $(V11)/drafter \
-	  --eval-data $(EVALSETS)/chat-probe,$(EVALSETS)/humaneval --resume $(V11)/v10-drafter --prompt-weight 0.1 \
-	  --max-steps $(V11_STEPS) --lr 2e-4 --eval-every 210 --time-budget $(V11_BUDGET_S)
+	$(FAST_ENV) $(BIN)/dart-ray $(V11_TRAIN) --out $(V11)/drafter --resume $(V11)/v10-drafter \
+	  --max-steps $(V11_STEPS) --eval-every 210 --time-budget $(V11_BUDGET_S)
 
 # Issue 17, fourteenth sitting (the same AMD EPYC Zen 4): the shipped vocabulary (8,192 tokens, chosen on code-heavy
 # data) holds 87 % of the target's chat-set answer tokens (' trip', ' meeting', ' weather' are outside it). v11
@@ -293,11 +295,8 @@ V12_VOCAB ?= 12288
 V12_STEPS ?= 360
 V12_BUDGET_S ?= 2520
 drafter-v12: drafter-v11
-	$(FAST_ENV) $(BIN)/dart-ray train-drafter --arch dart:8 --lr-schedule fresh --epochs 100 --warmup 20 \
-	  --seqs-per-step 8 --max-len 320 --threads 2 --eval-seqs 96 --data $(V11)/data,$(V11)/code --out $(V12)/drafter \
-	  --eval-data $(EVALSETS)/chat-probe,$(EVALSETS)/humaneval --resume $(V11)/drafter --prompt-weight 0.1 \
-	  --revocab extend --draft-vocab $(V12_VOCAB) --max-steps $(V12_STEPS) --lr 2e-4 --eval-every 180 \
-	  --time-budget $(V12_BUDGET_S)
+	$(FAST_ENV) $(BIN)/dart-ray $(V11_TRAIN) --out $(V12)/drafter --resume $(V11)/drafter \
+	  --revocab extend --draft-vocab $(V12_VOCAB) --max-steps $(V12_STEPS) --eval-every 180 --time-budget $(V12_BUDGET_S)
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup

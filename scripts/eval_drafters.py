@@ -84,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{n:>10} {dom:>5} {part:>6}: top1 {[round(x, 3) for x in e['top1'][:4]]} "
                       f"top5 {[round(x, 3) for x in e['top5'][:2]]} chain_tau "
                       f"{e['chain_tau']:.2f}")
-            a_ = ev[dom]["answer"]
+            ans = ev[dom]["answer"]
             bins = " ".join(f">={b['p_min']:.1f}: {b['top1']:.3f} ({b['share']:.0%})"
-                            for b in a_["level1_by_confidence"])
+                            for b in ans["level1_by_confidence"])
             print(f"{'':>10} {dom:>5} answer level 1 by the target's top-1 probability: {bins}; "
-                  f"inside the draft vocabulary {a_['level1_in_vocab']:.1%}")
+                  f"inside the draft vocabulary {ans['level1_in_vocab']:.1%}")
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
     return 0
