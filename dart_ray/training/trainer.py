@@ -596,8 +596,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         d2t = kept[0].long()
         if (any(not torch.equal(k.long(), d2t) for k in kept)
                 or (cfg.draft_vocab and len(d2t) != cfg.draft_vocab)):
+            sizes = sorted({len(k) for k in kept})
             raise ValueError("the resumed drafters' draft vocabularies differ from each other or "
-                             f"from draft_vocab={cfg.draft_vocab}")
+                             f"from draft_vocab={cfg.draft_vocab} (resumed: {sizes} tokens); pass "
+                             "--draft-vocab at the resumed size, or --revocab to re-choose it")
     elif cfg.draft_vocab:
         d2t = choose_draft_vocab(train_seqs, cfg.draft_vocab, args.vocab_size)
     if d2t is not None:

@@ -791,6 +791,11 @@ def test_revocab_extend_keeps_every_token(tmp_path, tiny, tiny_dirs, tiny_mixed_
     with pytest.raises(ValueError, match="adds no token"):
         train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "e"), draft_vocab=64,
                         **kw), progress=False)
+    # resuming the extended drafter without re-choosing needs its own size, and the error says which
+    kw.pop("revocab")
+    with pytest.raises(ValueError, match=r"resumed: \[96\] tokens\); pass --draft-vocab"):
+        train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "r"), draft_vocab=64,
+                        **{**kw, "resume": str(tmp_path / "z")}), progress=False)
 
 
 def test_mlp_growth_keeps_the_drafter_and_trains_from_it(tmp_path, tiny, tiny_dirs,
