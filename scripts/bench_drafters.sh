@@ -1,15 +1,19 @@
 #!/bin/bash
 # End-to-end A/B of drafters (bs 1): for each round, each set (HumanEval, the chat set; 24 prompts) and each
 # drafter in the order given, `dart-ray bench --methods ar,ngram,dart` with that drafter -- run alone on the cores.
-#   ROUNDS="1 2" scripts/bench_drafters.sh OUT_DIR NAME=DRAFTER_DIR [NAME=DRAFTER_DIR ...]
+#   ROUNDS="1 2" scripts/bench_drafters.sh OUT_DIR NAME=DRAFTER_DIR[@NGRAM_DIR] [NAME=DRAFTER_DIR[@NGRAM_DIR] ...]
+# (@NGRAM_DIR: that N-gram model instead of the shipped one, for dart and ngram alike);
 # writes OUT_DIR/{humaneval,chat}-NAME-rR.json, the bench logs beside them under OUT_DIR/logs (git-ignored
 # runs/ is a good place for those: LOGS=runs/...), and OUT_DIR/progress.log. From the repository root.
 set -u
-[ $# -ge 2 ] || { echo "usage: ROUNDS=\"1 2\" $0 OUT_DIR NAME=DRAFTER_DIR [NAME=DRAFTER_DIR ...]" >&2; exit 2; }
+[ $# -ge 2 ] || { echo "usage: ROUNDS=\"1 2\" $0 OUT_DIR NAME=DRAFTER_DIR[@NGRAM_DIR] ..." >&2; exit 2; }
 O=$1; shift
 LOGS=${LOGS:-$O/logs}
 for pair in "$@"; do
-  [ -e "${pair#*=}" ] || { echo "$0: drafter ${pair#*=} (from $pair) does not exist" >&2; exit 2; }
+  spec=${pair#*=}
+  for d in "${spec%@*}" $([ "$spec" != "${spec#*@}" ] && echo "${spec#*@}"); do
+    [ -e "$d" ] || { echo "$0: $d (from $pair) does not exist" >&2; exit 2; }
+  done
 done
 mkdir -p "$O" "$LOGS"
 for r in ${ROUNDS:-1}; do
@@ -18,7 +22,9 @@ for r in ${ROUNDS:-1}; do
     for pair in "$@"; do
       v=${pair%%=*}
       echo "$(date +%T) $name $v r$r" >> "$O/progress.log"
-      .venv/bin/dart-ray bench --prompts $set --methods ar,ngram,dart --num-threads 2 --drafter "${pair#*=}" \
+      spec=${pair#*=}
+      ngram=(); [ "$spec" != "${spec#*@}" ] && ngram=(--ngram "${spec#*@}")
+      .venv/bin/dart-ray bench --prompts $set --methods ar,ngram,dart --num-threads 2 --drafter "${spec%@*}" "${ngram[@]}" \
         --out "$O/$name-$v-r$r.json" > "$LOGS/$name-$v-r$r.log" 2>&1 || { echo "$0: see $LOGS/$name-$v-r$r.log" >&2; exit 1; }
     done
   done

@@ -165,9 +165,10 @@ def train_cli(argv: list[str] | None = None) -> int:
                    help="target layer for --init-from-target (default: the last tapped layer)")
     p.add_argument("--seqs-per-step", type=int, default=4)
     p.add_argument("--max-len", type=int, default=320)
-    p.add_argument("--draft-vocab", type=int, default=8192,
+    p.add_argument("--draft-vocab", type=int, default=None,
                    help="size of the drafter's own vocabulary (the data answers' most frequent "
-                        "tokens); a resumed drafter keeps its own unless --revocab")
+                        "tokens; 0 = the full tied head). Default: a resumed or restarted "
+                        "drafter's own size, else 8192 (also with --revocab)")
     p.add_argument("--revocab", nargs="?", const="replace", default=None,
                    choices=("replace", "extend"),
                    help="with --resume ... --lr-schedule fresh: a new draft vocabulary of "

@@ -131,9 +131,11 @@ class TrainConfig:
     """Directory that keeps those outputs across runs (appended at every checkpoint, read at start;
     a subdirectory per teacher): restarts, later sittings and other experiments on the same
     sequences skip their teacher passes, and continuation is bit-identical again."""
-    draft_vocab: int = 8192
-    """Size of the reduced draft vocabulary (most frequent tokens of the data); 0 = full tied
-    head."""
+    draft_vocab: int | None = None
+    """Size of the reduced draft vocabulary (most frequent tokens of the data's answers); 0 = full
+    tied head. None (the default) = the size of the drafter the run starts from (its own
+    checkpoint on a restart, ``resume``'s drafter) when that has one and ``revocab`` is off, else
+    :data:`DEFAULT_DRAFT_VOCAB`."""
     grad_clip: float = 0.5
     eval_every: int = 100
     ckpt_every: int = 100
@@ -181,7 +183,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         objective = get_objective(self.arch)
-        if objective.needs_draft_vocab and not self.draft_vocab:
+        if objective.needs_draft_vocab and self.draft_vocab == 0:
             raise ValueError(f"arch {self.arch!r} needs a reduced draft vocabulary (draft_vocab > "
                              "0)")
         if self.dtype not in DTYPES:
@@ -239,7 +241,7 @@ class TrainConfig:
             raise ValueError(f"revocab must be one of {REVOCAB_MODES} or None, got "
                              f"{self.revocab!r}")
         if self.revocab and (self.resume is None or self.lr_schedule != "fresh" or self.joint
-                             or not objective.revocabs or not self.draft_vocab):
+                             or not objective.revocabs or self.draft_vocab == 0):
             able = [a for a in objective_names() if get_objective(a).revocabs]
             raise ValueError(f"revocab re-chooses the draft vocabulary of one resumed drafter of "
                              f"{able}: it needs resume, lr_schedule 'fresh' (the optimizer "
@@ -247,6 +249,8 @@ class TrainConfig:
                              "no joint students")
 
 
+DEFAULT_DRAFT_VOCAB = 8192
+"""Draft vocabulary of a new drafter (or a re-chosen one) when ``draft_vocab`` is not given."""
 LR_SCHEDULES = ("continue", "fresh")
 REVOCAB_MODES = ("replace", "extend")
 RESTART_FREE = ("out", "time_budget_s", "eval_every", "ckpt_every", "eval_seqs", "eval_data",
@@ -513,6 +517,15 @@ def _start_sources(cfg: TrainConfig, dirs: dict[str, Path]) -> dict[str, Source]
     return out
 
 
+def _started_vocab(src: Source) -> int | None:
+    """Draft vocabulary size of the drafter a run starts from (0 = a full tied head); None for a
+    new one."""
+    if src.kind == "new":
+        return None
+    d2t = src.state["model"].get("d2t")
+    return 0 if d2t is None else len(d2t)
+
+
 def train(cfg: TrainConfig, progress: bool = True) -> dict:
     """Train ``cfg.arch`` (and every arch in ``cfg.joint``, on the very same batches and teacher
     pass: equal data and steps by construction). Returns the summary of ``cfg.arch``; with ``joint``
@@ -555,6 +568,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     archs = tuple(cfgs)
     dirs = {a: (out / a if len(archs) > 1 else out) for a in archs}
     sources = _start_sources(cfg, dirs)
+    if cfg.draft_vocab is None:
+        size = _started_vocab(sources[cfg.arch]) if not cfg.revocab else None
+        cfg = dataclasses.replace(cfg, draft_vocab=DEFAULT_DRAFT_VOCAB if size is None else size)
+        cfgs = {a: dataclasses.replace(c, draft_vocab=cfg.draft_vocab) for a, c in cfgs.items()}
+        whose = "the started drafter's" if size is not None else "the default"
+        print(f"draft vocab size {cfg.draft_vocab}: {whose}")
     data_key = data_fingerprint(train_seqs, cfg.seqs_per_step, cfg.max_len, cfg.seed)
     key = run_key(cfg, data_key)
     for arch, src in sources.items():

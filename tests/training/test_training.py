@@ -796,6 +796,12 @@ def test_revocab_extend_keeps_every_token(tmp_path, tiny, tiny_dirs, tiny_mixed_
     with pytest.raises(ValueError, match=r"resumed: \[96\] tokens\); pass --draft-vocab"):
         train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "r"), draft_vocab=64,
                         **{**kw, "resume": str(tmp_path / "z")}), progress=False)
+    # ... and without --draft-vocab the resumed drafter's own size is taken, rows and all
+    s = train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "d"), draft_vocab=None,
+                        **{**kw, "resume": str(tmp_path / "z")}), progress=False)
+    assert s["steps"] == 2                           # global: z's one + this one
+    again = DartModel.load(tmp_path / "d" / "drafter")
+    assert torch.equal(again.d2t, got.d2t) and torch.equal(again.head.weight, got.head.weight)
 
 
 def test_mlp_growth_keeps_the_drafter_and_trains_from_it(tmp_path, tiny, tiny_dirs,
