@@ -176,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", required=True,
                    help=".jsonl/.parquet with a 'prompt' column, or humaneval|chat|chat-probe")
     b.add_argument("--methods", default="ar,ngram,dart,hf,hf-pld",
-                   help="comma list of ar, ngram, sps, medusa, eagle, dart, hf, hf-pld")
+                   help="comma list of ar, ngram, sps, medusa, eagle, dart, hf, hf-pld; an own "
+                        "method twice as METHOD@NAME with its own --drafter-for/--profile-for "
+                        "(e.g. dart,dart@new --drafter-for dart@new=DIR: an A/B in one process)")
     b.add_argument("--chat", action="store_true")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--batch-size", type=int, default=1)

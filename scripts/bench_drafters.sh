@@ -3,6 +3,8 @@
 # drafter in the order given, `dart-ray bench --methods ar,ngram,dart` with that drafter -- run alone on the cores.
 #   ROUNDS="1 2" scripts/bench_drafters.sh OUT_DIR NAME=DRAFTER_DIR[@NGRAM_DIR] [NAME=DRAFTER_DIR[@NGRAM_DIR] ...]
 # (@NGRAM_DIR: that N-gram model instead of the shipped one, for dart and ngram alike);
+# ONE_RUN=1: instead, per round and set, ONE bench process runs ar, ngram and every drafter as `dart@NAME`,
+# interleaved per prompt (no run-to-run drift between the drafters; no @NGRAM_DIR), writing {set}-rR.json;
 # writes OUT_DIR/{humaneval,chat}-NAME-rR.json, the bench logs beside them under OUT_DIR/logs (git-ignored
 # runs/ is a good place for those: LOGS=runs/...), and OUT_DIR/progress.log. From the repository root.
 set -u
@@ -16,6 +18,23 @@ for pair in "$@"; do
   done
 done
 mkdir -p "$O" "$LOGS"
+if [ "${ONE_RUN:-0}" = 1 ]; then
+  methods=ar,ngram; flags=()
+  for pair in "$@"; do
+    [ "${pair#*@}" = "$pair" ] || { echo "$0: ONE_RUN=1 takes no @NGRAM_DIR ($pair)" >&2; exit 2; }
+    methods="$methods,dart@${pair%%=*}"; flags+=(--drafter-for "dart@${pair%%=*}=${pair#*=}")
+  done
+  for r in ${ROUNDS:-1}; do
+    for set in "humaneval --limit 24" "chat --chat --limit 24"; do
+      name=${set%% *}
+      echo "$(date +%T) $name one run r$r" >> "$O/progress.log"
+      .venv/bin/dart-ray bench --prompts $set --methods "$methods" --num-threads 2 "${flags[@]}" \
+        --out "$O/$name-r$r.json" > "$LOGS/$name-r$r.log" 2>&1 || { echo "$0: see $LOGS/$name-r$r.log" >&2; exit 1; }
+    done
+  done
+  echo "$(date +%T) done" >> "$O/progress.log"
+  exit 0
+fi
 for r in ${ROUNDS:-1}; do
   for set in "humaneval --limit 24" "chat --chat --limit 24"; do
     name=${set%% *}

@@ -27,6 +27,13 @@ HF = ("hf", "hf-pld")
 ALL_METHODS = tuple(OWN) + HF
 
 
+def base_method(name: str) -> str:
+    """``dart@v14`` -> ``dart``: a variant runs its method with its own ``drafters`` /
+    ``decodings`` entry, interleaved with the others in the same process (an A/B of two drafters
+    without the run-to-run drift of two processes)."""
+    return name.partition("@")[0]
+
+
 @dataclass
 class MethodResult:
     times: list[float] = field(default_factory=list)
@@ -85,9 +92,18 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     from dart_ray.hardware import resolve_dtype
     from dart_ray.models import load_target
 
-    unknown = set(methods) - set(ALL_METHODS)
+    unknown = {m for m in methods if base_method(m) not in ALL_METHODS}
     if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS}")
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} (an own "
+                         "method may be named METHOD@VARIANT to run it twice with another drafter "
+                         "or profile)")
+    bad = [m for m in methods
+           if "@" in m and (base_method(m) not in OWN or not m.partition("@")[2])]
+    if bad:
+        raise ValueError(f"{bad}: a variant is METHOD@NAME of an own-engine method "
+                         f"({', '.join(OWN)}), not of {HF}")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"methods listed twice: {methods}")
     if "hf-pld" in methods and batch_size != 1:
         raise ValueError("hf-pld (transformers prompt lookup) supports batch size 1 only")
     if threads:
@@ -98,10 +114,11 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     target = load_target(model, dtype, device, max_seq_len=2048)
     engines = {}
     for m in methods:
-        if m in OWN:
-            d = (drafters or {}).get(m, drafter if m == "dart" else None)
-            cfg = EngineConfig(model=model, method=OWN[m], drafter=d, ngram=ngram, dtype=dtype,
-                               device=device, max_batch_size=batch_size, max_seq_len=2048,
+        if base_method(m) in OWN:
+            d = (drafters or {}).get(m, drafter if base_method(m) == "dart" else None)
+            cfg = EngineConfig(model=model, method=OWN[base_method(m)], drafter=d, ngram=ngram,
+                               dtype=dtype, device=device, max_batch_size=batch_size,
+                               max_seq_len=2048,
                                adaptive=adaptive, decoding=(decodings or {}).get(m, decoding))
             engines[m] = Engine(target, make_drafter(cfg, target), cfg)
     hf = None

@@ -354,6 +354,25 @@ def test_bench_runs_every_own_method(tiny_dirs, tiny_baselines, tmp_path):
     assert "| eagle |" in format_table(rep)
 
 
+def test_bench_runs_a_method_twice_as_variants(tiny_dirs, tmp_path):
+    """`dart@b` runs DART again with its own drafter and knobs in the same interleaved run (an A/B
+    of two drafters); a variant of a transformers method, an unnamed one or a repeat is refused."""
+    from dart_ray.bench.runner import run_bench
+
+    kw = {"model": str(tiny_dirs["llama"]), "drafter": "random", "ngram": "none",
+          "max_new_tokens": 8, "dtype": "fp32", "progress": False}
+    rep = run_bench(PROMPTS[:2], ["ar", "dart", "dart@b"], drafters={"dart@b": "random"},
+                    decodings={"dart@b": DecodingConfig(tree_budget=4, top_k=2, beam_width=2)},
+                    **kw)
+    assert set(rep["methods"]) == {"ar", "dart", "dart@b"}
+    assert all(rep["methods"][m]["outputs_match_ar"] for m in ("dart", "dart@b"))
+    assert rep["config"]["decodings"]["dart@b"]["tree_budget"] == 4
+    for methods, err in ((["ar", "hf@x"], "variant"), (["ar", "dart@"], "variant"),
+                         (["ar", "foo@x"], "unknown"), (["dart", "dart"], "twice")):
+        with pytest.raises(ValueError, match=err):
+            run_bench(PROMPTS[:1], methods, **kw)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_dart_with_lookup_paths_equals_ar_and_accepts_more(tiny, ar_out, batch):
     """DART's tree with prompt-lookup paths merged in stays exact; on the repetitive prompts the
