@@ -24,27 +24,25 @@ if [ "${ONE_RUN:-0}" = 1 ]; then
     [ "${pair#*@}" = "$pair" ] || { echo "$0: ONE_RUN=1 takes no @NGRAM_DIR ($pair)" >&2; exit 2; }
     methods="$methods,dart@${pair%%=*}"; flags+=(--drafter-for "dart@${pair%%=*}=${pair#*=}")
   done
-  for r in ${ROUNDS:-1}; do
-    for set in "humaneval --limit 24" "chat --chat --limit 24"; do
-      name=${set%% *}
-      echo "$(date +%T) $name one run r$r" >> "$O/progress.log"
-      .venv/bin/dart-ray bench --prompts $set --methods "$methods" --num-threads 2 "${flags[@]}" \
-        --out "$O/$name-r$r.json" > "$LOGS/$name-r$r.log" 2>&1 || { echo "$0: see $LOGS/$name-r$r.log" >&2; exit 1; }
-    done
-  done
-  echo "$(date +%T) done" >> "$O/progress.log"
-  exit 0
 fi
+# bench LABEL ARGS...: one `dart-ray bench` of the current set ($set, $name) and round ($r), logged
+bench() {
+  local f="$name${1:+-$1}-r$r"; shift
+  echo "$(date +%T) $f" >> "$O/progress.log"
+  .venv/bin/dart-ray bench --prompts $set --num-threads 2 "$@" --out "$O/$f.json" > "$LOGS/$f.log" 2>&1 \
+    || { echo "$0: see $LOGS/$f.log" >&2; exit 1; }
+}
 for r in ${ROUNDS:-1}; do
   for set in "humaneval --limit 24" "chat --chat --limit 24"; do
     name=${set%% *}
+    if [ "${ONE_RUN:-0}" = 1 ]; then
+      bench "" --methods "$methods" "${flags[@]}"
+      continue
+    fi
     for pair in "$@"; do
-      v=${pair%%=*}
-      echo "$(date +%T) $name $v r$r" >> "$O/progress.log"
       spec=${pair#*=}
       ngram=(); [ "$spec" != "${spec#*@}" ] && ngram=(--ngram "${spec#*@}")
-      .venv/bin/dart-ray bench --prompts $set --methods ar,ngram,dart --num-threads 2 --drafter "${spec%@*}" "${ngram[@]}" \
-        --out "$O/$name-$v-r$r.json" > "$LOGS/$name-$v-r$r.log" 2>&1 || { echo "$0: see $LOGS/$name-$v-r$r.log" >&2; exit 1; }
+      bench "${pair%%=*}" --methods ar,ngram,dart --drafter "${spec%@*}" "${ngram[@]}"
     done
   done
 done

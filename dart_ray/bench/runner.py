@@ -114,11 +114,11 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     target = load_target(model, dtype, device, max_seq_len=2048)
     engines = {}
     for m in methods:
-        if base_method(m) in OWN:
-            d = (drafters or {}).get(m, drafter if base_method(m) == "dart" else None)
-            cfg = EngineConfig(model=model, method=OWN[base_method(m)], drafter=d, ngram=ngram,
-                               dtype=dtype, device=device, max_batch_size=batch_size,
-                               max_seq_len=2048,
+        base = base_method(m)
+        if base in OWN:
+            d = (drafters or {}).get(m, drafter if base == "dart" else None)
+            cfg = EngineConfig(model=model, method=OWN[base], drafter=d, ngram=ngram, dtype=dtype,
+                               device=device, max_batch_size=batch_size, max_seq_len=2048,
                                adaptive=adaptive, decoding=(decodings or {}).get(m, decoding))
             engines[m] = Engine(target, make_drafter(cfg, target), cfg)
     hf = None
