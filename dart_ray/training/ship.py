@@ -132,7 +132,8 @@ def _by(counts: dict) -> str:
 def _data_paragraph(data: dict) -> str:
     si = data.get("self_instruct_rows", 0)
     chat = ("requests the target wrote itself (`dart-ray gen-prompts`: few-shot list continuation "
-            "over seed categories x sub-topics, cleaned, near-duplicates removed"
+            "over seed categories x sub-topics, or with `--style pre-query` the user's turn of its "
+            "own chat template; cleaned, near-duplicates removed"
             + (f"; {data.get('multi_turn_rows', 0)} two-turn conversations whose follow-up the "
                "target wrote after its first answer" if data.get("multi_turn_rows") else "") + ")"
             if si else "instructions from templates x topics")
