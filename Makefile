@@ -231,7 +231,7 @@ drafter-v9: setup heldout-code drafter-v8-data
 	  --out $(V9)/drafter --resume $(V6)/drafter --prompt-weight $(V9_PROMPT_WEIGHT) --max-steps $(V9_STEPS) \
 	  --lr 2e-4 --eval-every 200 --time-budget $(V9_BUDGET_S) --teacher-cache $(TEACHER) --teacher-cache-gb 6
 
-# Issue 17, tenth sitting (the shipped drafter; the same AMD EPYC Zen 4; docs/BENCHMARKS.md and the card): code answers were data-limited (training
+# Issue 17, tenth sitting (v10, shipped until sitting 17; the same AMD EPYC Zen 4; docs/BENCHMARKS.md and the card): code answers were data-limited (training
 # rows 0.809 vs held out 0.730 level 1) and v9's 1,708 more moved them, so 1,303 more stdlib code prompts answered
 # (1,800 drawn; those in the val split or answered before left out), then v9 trained on (fresh warmup + cosine at
 # a lower peak) over all of it, the teacher cache serving every sequence v9 saw. Shipped: held-out code answers
@@ -289,7 +289,7 @@ drafter-v11: setup eval-answers drafter-v11-data
 	$(FAST_ENV) $(BIN)/dart-ray $(V11_TRAIN) --out $(V11)/drafter --resume $(V11)/v10-drafter \
 	  --max-steps $(V11_STEPS) --eval-every 210 --time-budget $(V11_BUDGET_S)
 
-# Issue 17, fourteenth sitting (the same AMD EPYC Zen 4): the shipped vocabulary (8,192 tokens, chosen on code-heavy
+# Issue 17, fourteenth sitting (the same AMD EPYC Zen 4): v10's vocabulary (8,192 tokens, chosen on code-heavy
 # data) holds 87 % of the target's chat-set answer tokens (' trip', ' meeting', ' weather' are outside it). v11
 # with its vocabulary extended by v11's data's 4,096 most frequent other tokens (`--revocab extend`: every old
 # token kept), then trained on the same data.
