@@ -16,7 +16,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 drafter-v4-data drafter-v5-experiment heldout-code drafter-v6 drafter-v7 drafter-v8-data drafter-v8 drafter-v9 drafter-v10 eval-answers drafter-v11-data drafter-v11 drafter-v12 drafter-v13 drafter-v14 gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 drafter-v4-data drafter-v5-experiment heldout-code drafter-v6 drafter-v7 drafter-v8-data drafter-v8 drafter-v9 drafter-v10 eval-answers drafter-v11-data drafter-v11 drafter-v12 drafter-v13 drafter-v14 drafter-v15-data gpu-check clean
 
 setup: $(STAMP)
 
@@ -334,6 +334,17 @@ drafter-v14: setup
 	  --exclude-data $(V14_EARLIER),$(V14)/data,$(V14)/code
 	$(FAST_ENV) $(BIN)/dart-ray $(V11_TRAIN) --out $(V14)/drafter --resume $(V13)/drafter \
 	  --max-steps $(V14_STEPS) --eval-every 260 --time-budget $(V14_BUDGET_S)
+
+# Issue 17, seventeenth sitting (the same AMD EPYC Zen 4): 22.5 % of the chat set's and of chat-probe's requests are
+# writing tasks (start with write/compose/draft/create: a note, a poem, an invitation, a story); of the pre-query
+# requests v11-v14 trained on, 0.2-0.4 %; of the list generator's (ten categories, writing and roleplay among them)
+# ~16 %. But the drafters score the same on the writing requests' answers as on the rest (v14 level 1 0.482 vs 0.486,
+# docs/BENCHMARKS.md): writing is not where chat's level 1 is lost. List-style requests (seed 17), answered the same
+# way with every earlier answer left out, made anyway for the next sitting (a broader mix); not yet trained on.
+V15 ?= $(RUNS)/v15
+V15_EARLIER = $(V14_EARLIER),$(V14)/data,$(V14)/code,$(V14)/more-code
+drafter-v15-data: setup
+	$(MAKE) drafter-v11-data V11=$(V15) V11_STYLE=list V11_PROMPT_SEED=17 V11_SEED=17 V11_EXCLUDE=$(V15_EARLIER)
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup
