@@ -16,7 +16,7 @@ JEMALLOC := $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2)
 FAST_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=dirty_decay_ms:-1$(comma)muzzy_decay_ms:-1,)
 RUNS ?= runs
 
-.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 drafter-v4-data drafter-v5-experiment heldout-code drafter-v6 drafter-v7 drafter-v8-data drafter-v8 drafter-v9 drafter-v10 eval-answers drafter-v11-data drafter-v11 drafter-v12 drafter-v13 drafter-v14 drafter-v15-data gpu-check clean
+.PHONY: setup demo test test-fast bench bench-chat bench-compare bench-goals bench-defaults artifacts drafter-v2 drafter-v2-gpu drafter-v3 drafter-v4 drafter-v4-data drafter-v5-experiment heldout-code drafter-v6 drafter-v7 drafter-v8-data drafter-v8 drafter-v9 drafter-v10 eval-answers drafter-v11-data drafter-v11 drafter-v12 drafter-v13 drafter-v14 drafter-v15-data drafter-v15 gpu-check clean
 
 setup: $(STAMP)
 
@@ -345,6 +345,14 @@ V15 ?= $(RUNS)/v15
 V15_EARLIER = $(V14_EARLIER),$(V14)/data,$(V14)/code,$(V14)/more-code
 drafter-v15-data: setup
 	$(MAKE) drafter-v11-data V11=$(V15) V11_STYLE=list V11_PROMPT_SEED=17 V11_SEED=17 V11_EXCLUDE=$(V15_EARLIER)
+# ... and v14 trained on all of it (every pre-query set, the list-style set, every code answer) for a short run.
+V15_STEPS ?= 330
+V15_BUDGET_S ?= 2400
+drafter-v15: V11_DATA = $(V15_EARLIER),$(V15)/data,$(V15)/code
+drafter-v15: setup
+	test -d $(V15)/code || $(MAKE) drafter-v15-data
+	$(FAST_ENV) $(BIN)/dart-ray $(V11_TRAIN) --out $(V15)/drafter --resume $(V14)/drafter \
+	  --max-steps $(V15_STEPS) --eval-every $(V15_STEPS) --time-budget $(V15_BUDGET_S)
 
 # The benchmark tables of docs/BENCHMARKS.md (bs 1, HumanEval and the chat set).
 bench: setup
