@@ -346,6 +346,7 @@ V15_EARLIER = $(V14_EARLIER),$(V14)/data,$(V14)/code,$(V14)/more-code
 drafter-v15-data: setup
 	$(MAKE) drafter-v11-data V11=$(V15) V11_STYLE=list V11_PROMPT_SEED=17 V11_SEED=17 V11_EXCLUDE=$(V15_EARLIER)
 # ... and v14 trained on all of it (every pre-query set, the list-style set, every code answer) for a short run.
+# Result (NOT a candidate): chat set level 1 0.481 vs v14's 0.483, HumanEval equal (docs/BENCHMARKS.md).
 V15_STEPS ?= 330
 V15_BUDGET_S ?= 2400
 drafter-v15: V11_DATA = $(V15_EARLIER),$(V15)/data,$(V15)/code
