@@ -351,6 +351,7 @@ V15_STEPS ?= 330
 V15_BUDGET_S ?= 2400
 drafter-v15: V11_DATA = $(V15_EARLIER),$(V15)/data,$(V15)/code
 drafter-v15: setup
+	test -f $(V14)/drafter/checkpoint/state.pt || $(MAKE) drafter-v14
 	test -d $(V15)/code || $(MAKE) drafter-v15-data
 	$(FAST_ENV) $(BIN)/dart-ray $(V11_TRAIN) --out $(V15)/drafter --resume $(V14)/drafter \
 	  --max-steps $(V15_STEPS) --eval-every $(V15_STEPS) --time-budget $(V15_BUDGET_S)

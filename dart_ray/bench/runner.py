@@ -104,6 +104,10 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
                          f"({', '.join(OWN)}), not of {HF}")
     if len(set(methods)) != len(methods):
         raise ValueError(f"methods listed twice: {methods}")
+    stray = sorted({*(drafters or {}), *(decodings or {})} - set(methods))
+    if stray:  # e.g. a misspelt variant would run with the default drafter: a silent wrong A/B
+        raise ValueError(f"a drafter or profile is given for {stray}, which are not among the "
+                         f"methods {methods}")
     if "hf-pld" in methods and batch_size != 1:
         raise ValueError("hf-pld (transformers prompt lookup) supports batch size 1 only")
     if threads:

@@ -11,10 +11,11 @@ Seventeenth sitting, issue 17::
 import json
 import os
 import re
-import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dart_ray.training.gen_data import EVAL_MARKER
 
 WRITING = re.compile(r"\s*(write|compose|draft|create)\b", re.I)
 t = pa.concat_tables([pq.read_table(f"runs/evalsets/{s}/shard-00000.parquet")
@@ -25,7 +26,6 @@ for name, keep in (("writing", is_writing), ("other", [not w for w in is_writing
     os.makedirs(out, exist_ok=True)
     rows = t.filter(pa.array(keep))
     pq.write_table(rows, f"{out}/shard-00000.parquet")
-    shutil.copy("runs/evalsets/chat/corpus.json", out)
-    with open(f"{out}/eval_set.json", "w") as f:
-        json.dump({"prompts": name, "rows": rows.num_rows}, f)
+    with open(f"{out}/{EVAL_MARKER}", "w") as f:    # evaluation answers: domain chat@NAME
+        json.dump({"prompts": name}, f)
     print(name, rows.num_rows, "rows")
