@@ -467,6 +467,58 @@ def test_lazy_logits_take_chain_leaves_in_the_first_call():
     assert a.num_accepted.tolist() == [T - 1] * B and calls == [B * T]  # no second call
 
 
+def test_lazy_logits_fill_the_first_call_with_the_best_leaves(monkeypatch):
+    """Below EAGER_HEAD_ROWS rows the eager call takes leaves too, the first ones in node (priority)
+    order, round-robin over the rows; tokens stay those of the dense head. 0 = internal nodes only
+    (and chains' leaves)."""
+    import dart_ray.verify.logits as logits_mod
+
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(50, 16, generator=g)
+    calls = []
+
+    def head(h):
+        calls.append(h.shape[0])
+        return (h @ W.T) * 3
+
+    one = bushy_tree(B=1)                    # 7 internal nodes, leaves 6, 8, 9, 10, 11, 12
+    hidden = torch.randn(1, one.tokens.shape[1], 16, generator=g)
+    monkeypatch.setattr(logits_mod, "EAGER_HEAD_ROWS", 0)
+    assert NodeLogits.lazy(one, hidden, head).head_rows == 7 and calls == [7]
+    monkeypatch.setattr(logits_mod, "EAGER_HEAD_ROWS", 8)
+    calls.clear()
+    lazy = NodeLogits.lazy(one, hidden, head)
+    assert calls == [8]
+    assert lazy._slot[0, 6] >= 0 and bool((lazy._slot[0, 8:] < 0).all())   # the first leaf only
+    dense = head(hidden)
+    for target in (6, 11):                        # accept the computed leaf, then a missing one
+        tree = bushy_tree(B=1)
+        pred = dense.argmax(-1)[0]
+        node = target
+        while node:                               # make the path root -> target correct
+            par = int(tree.parents[0, node])
+            tree.tokens[0, node] = pred[par]
+            node = par
+        lz = NodeLogits.lazy(tree, hidden, head)
+        a, b = greedy_accept(tree, dense), greedy_accept(tree, lz)
+        assert torch.equal(a.path, b.path) and torch.equal(a.bonus, b.bonus)
+        assert int(a.path[0, a.num_accepted[0]]) == target
+        assert lz.head_rows == (8 if target == 6 else 9)      # a second call only for leaf 11
+    # two small trees: 3 internal nodes + 4 leaves each; 6 internal rows leave room for 2 leaves,
+    # one per row (each row's first)
+    small = pack_trees(torch.tensor([5, 6]), [([1, 2, 3, 4, 5, 6], [0, 0, 1, 2, 2, 1])] * 2)
+    inner = internal_nodes(small)
+    assert int(inner.sum()) == 6
+    lz = NodeLogits.lazy(small, torch.randn(2, 7, 16, generator=g), head)
+    assert lz.head_rows == 8
+    picked = (lz._slot >= 0) & ~inner
+    assert picked.sum(1).tolist() == [1, 1]
+    first_leaf = (small.valid & ~inner).long().argmax(1)
+    assert picked[torch.arange(2), first_leaf].all()
+    monkeypatch.setattr(logits_mod, "EAGER_HEAD_ROWS", 16)      # every leaf fits: all eager
+    assert NodeLogits.lazy(small, torch.randn(2, 7, 16, generator=g), head).head_rows == 14
+
+
 def test_engine_runs_the_head_on_fewer_rows_than_nodes(tiny, ar_out):
     eng = make_engine(tiny, "dart", "random", batch=2, adaptive=False)
     assert [o.token_ids for o in eng.generate(PROMPTS[:2], GREEDY)] == ar_out[:2]

@@ -356,8 +356,8 @@ def test_bench_runs_every_own_method(tiny_dirs, tiny_baselines, tmp_path):
 
 def test_bench_runs_a_method_twice_as_variants(tiny_dirs, tmp_path):
     """`dart@b` runs DART again with its own drafter and knobs in the same interleaved run (an A/B
-    of two drafters); a variant of a transformers method, an unnamed one, a repeat, or a drafter for a
-    method not listed is refused."""
+    of two drafters); a variant of a transformers method, an unnamed one, a repeat, or a drafter
+    for a method not listed is refused."""
     from dart_ray.bench.runner import run_bench
 
     kw = {"model": str(tiny_dirs["llama"]), "drafter": "random", "ngram": "none",
