@@ -10,7 +10,7 @@ So :meth:`NodeLogits.lazy` computes the head eagerly on the root and every node 
 and :meth:`NodeLogits.at` computes any other node (an accepted leaf, for its bonus) on demand, in
 one call for all rows that need it. Where the batch's trees have no more leaves than rows (chains:
 prompt lookup, small adaptive trees) the leaves join the eager call: one more row per row costs
-little next to a second call, which re-reads the whole head (~1-2 ms for SmolLM2 in bf16 on 2
+little next to a second call, which re-reads the whole head (~1-2.5 ms for SmolLM2 in bf16 on 2
 cores, ~9 ms in fp32 on AVX2) whenever a chain is accepted to its end. Small trees fill the
 eager call up to :data:`EAGER_HEAD_ROWS` rows with their best leaves for the same reason. Outputs
 are those of the dense head: the same rows go through the same head (tests check greedy and
@@ -34,6 +34,7 @@ Same-process A/B on that machine (``scripts/ab_const.py``, 24 prompts, 0 = the r
 acceptance 1.86 -> 1.33 ms per step on HumanEval and 1.70 -> 1.21 on the chat set, the verify
 forward up to 0.5 ms dearer for the extra rows; net within 1 % (101.5 -> 101.7 and 68.9 -> 69.6
 tok/s)."""
+
 
 def internal_nodes(tree: TokenTree) -> torch.Tensor:
     """[B, T] bool: the root and every node that is the parent of a valid node."""
