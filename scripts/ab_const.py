@@ -2,13 +2,16 @@
 ``dart_ray.verify.logits``): one engine, each prompt generated with value A and with value B, the
 order alternating per prompt, so both see the same machine state and the same learned controller.
 
-    python scripts/ab_const.py dart_ray.verify.logits EAGER_HEAD_ROWS 0 8 humaneval dart 24
-    python scripts/ab_const.py dart_ray.verify.logits EAGER_HEAD_ROWS 0 8 chat dart 24
+    python scripts/ab_const.py dart_ray.verify.logits EAGER_HEAD_ROWS 0 6 humaneval dart 24
+    python scripts/ab_const.py dart_ray.verify.logits EAGER_HEAD_ROWS 0 6 chat dart 24
 
-Per value: tok/s over all prompts, the per-step means of the engine's time split (draft, tree,
-verify, accept), LM-head rows per step, mean tau; then how many outputs are identical (bf16:
-near-ties may fall either way when a row's logits come from a head call over other rows).
-Values are parsed as Python literals.
+Per value: tok/s over all prompts (total tokens / total seconds), the engine's time split per step
+(draft, tree, verify, accept; totals over all steps), LM-head rows per step, and tau (the mean of
+the prompts' mean accepted lengths); then how many outputs are identical (bf16: near-ties may fall
+either way when a row's logits come from a head call over other rows). Values are parsed as Python
+literals. Fixed: bs 1, 2 threads, greedy, <= 128 new tokens, the default model, drafter and knobs;
+the warm-up prompt runs with the module's own value. Only a constant read at call time through its
+module works (one imported by value elsewhere would not change).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ little next to a second call, which re-reads the whole head (~1-2.5 ms for SmolL
 cores, ~9 ms in fp32 on AVX2) whenever a chain is accepted to its end. Small trees fill the
 eager call up to :data:`EAGER_HEAD_ROWS` rows with their best leaves for the same reason. Outputs
 are those of the dense head: the same rows go through the same head (tests check greedy and
-sampled tokens against dense logits).
+sampled tokens against dense logits in fp32; in bf16 a row's rounding depends on which rows share
+its head call, so near-ties may fall either way).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 from dart_ray.tree.tree import TokenTree
 
 EAGER_HEAD_ROWS = 6
-"""Rows the eager head call may fill with leaves (best first) beyond the internal nodes. One LM-head
+"""Total rows (internal nodes + leaves, over the batch) the eager head call may reach by adding
+leaves, best first; past it only internal nodes (and chains' leaves) are eager. One LM-head
 call costs about the same at 1 to 6 rows (its weight read dominates; SmolLM2 bf16 on 2 Zen 4
 cores: ~2.3 ms, then ~0.15 ms per row more), and an accepted leaf left out costs a second call for
 its bonus token: DART trees at bs 1 accept a leaf on 42-55 % of steps, most often their first.
@@ -91,13 +93,14 @@ class NodeLogits:
         B = tree.tokens.shape[0]
         eager = internal_nodes(tree)                                         # [B, T]
         leaves = tree.valid & ~eager                                         # [B, T]
-        n_leaves = int(leaves.sum())
-        room = EAGER_HEAD_ROWS - int(eager.sum())
+        n_leaves, n_eager = torch.stack([leaves.sum(), eager.sum()]).tolist()   # one host sync
+        room = EAGER_HEAD_ROWS - n_eager
         if n_leaves <= max(B, room):
             eager = eager | leaves
         elif room > 0:
             # the best leaves first: nodes are in priority order, so a row's first leaf is the
-            # one most often accepted; round-robin over the rows by leaf rank
+            # one most often accepted (with DART's lookup paths leading: the first path's tip);
+            # round-robin over the rows by leaf rank
             rank = leaves.long().cumsum(1)                                   # [B, T] 1-based
             row = torch.arange(B, device=rank.device)[:, None]               # [B, 1]
             key = torch.where(leaves, rank * B + row, torch.iinfo(torch.long).max)   # [B, T]

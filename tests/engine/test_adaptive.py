@@ -408,7 +408,10 @@ def bushy_tree(B=3, seed=0):
     return pack_trees(torch.tensor([5, 6, 7][:B]), rows)
 
 
-def test_lazy_logits_give_identical_tokens_and_skip_leaves():
+def test_lazy_logits_give_identical_tokens_and_skip_leaves(monkeypatch):
+    import dart_ray.verify.logits as logits_mod
+
+    monkeypatch.setattr(logits_mod, "EAGER_HEAD_ROWS", 0)     # internal nodes only (fill: below)
     tree = bushy_tree()
     B, T = tree.tokens.shape
     g = torch.Generator().manual_seed(1)
@@ -515,8 +518,20 @@ def test_lazy_logits_fill_the_first_call_with_the_best_leaves(monkeypatch):
     assert picked.sum(1).tolist() == [1, 1]
     first_leaf = (small.valid & ~inner).long().argmax(1)
     assert picked[torch.arange(2), first_leaf].all()
+    monkeypatch.setattr(logits_mod, "EAGER_HEAD_ROWS", 9)       # room for 3: rank-major order
+    lz = NodeLogits.lazy(small, torch.randn(2, 7, 16, generator=g), head)
+    picked = (lz._slot >= 0) & ~inner
+    assert picked.sum(1).tolist() == [2, 1]         # both rows' first leaves, then row 0's second
     monkeypatch.setattr(logits_mod, "EAGER_HEAD_ROWS", 16)      # every leaf fits: all eager
     assert NodeLogits.lazy(small, torch.randn(2, 7, 16, generator=g), head).head_rows == 14
+    # sampled acceptance over a partly filled eager set: the dense head's result
+    monkeypatch.setattr(logits_mod, "EAGER_HEAD_ROWS", 8)
+    tree3 = bushy_tree(B=1)
+    for seed in range(5):
+        s1 = sample_accept(tree3, dense, 0.7, 0, 0.9, [torch.Generator().manual_seed(seed)])
+        s2 = sample_accept(tree3, NodeLogits.lazy(tree3, hidden, head), 0.7, 0, 0.9,
+                           [torch.Generator().manual_seed(seed)])
+        assert torch.equal(s1.path, s2.path) and torch.equal(s1.bonus, s2.bonus)
 
 
 def test_engine_runs_the_head_on_fewer_rows_than_nodes(tiny, ar_out):
