@@ -32,7 +32,8 @@ leaves, best first; past it only internal nodes (and chains' leaves) are eager. 
 call costs about the same at 1 to 6 rows (its weight read dominates; SmolLM2 bf16 on 2 Zen 4
 cores: ~2.3 ms, then ~0.15 ms per row more), and an accepted leaf left out costs a second call for
 its bonus token: DART trees at bs 1 accept a leaf on 42-55 % of steps, most often their first.
-Same-process A/B on that machine (``scripts/ab_const.py``, 24 prompts, 0 = the rule before):
+Same-process A/B on that machine (``scripts/ab_model.py const``, 24 prompts, 0 = the rule
+before):
 acceptance 1.86 -> 1.33 ms per step on HumanEval and 1.70 -> 1.21 on the chat set, the verify
 forward up to 0.5 ms dearer for the extra rows; net within 1 % (101.5 -> 101.7 and 68.9 -> 69.6
 tok/s)."""
@@ -90,7 +91,7 @@ class NodeLogits:
         there are at most as many as rows (chains) or they fit :data:`EAGER_HEAD_ROWS`, else the
         best ones up to it; other nodes on demand."""
         out = cls(tuple(tree.tokens.shape), hidden=hidden, head=head)
-        B = tree.tokens.shape[0]
+        B = tree.batch_size
         eager = internal_nodes(tree)                                         # [B, T]
         leaves = tree.valid & ~eager                                         # [B, T]
         n_leaves, n_eager = torch.stack([leaves.sum(), eager.sum()]).tolist()   # one host sync
