@@ -46,6 +46,9 @@ class DartDrafter(Drafter):
         """Per row: chunks of (taps [n, nT*H], next tokens [n]) committed since the last drafter
         forward. Kept raw -- a plain step costs a list append -- and turned into layer inputs in one
         batched call when the drafter next runs (its catch-up after skipped steps)."""
+        self.prompted: list[bool] = []
+        """Per row: its pending context holds its prompt (the drafter has not run since
+        prefill)."""
 
     def allocate(self, max_batch: int, max_seq_len: int) -> None:
         c = self.model_cfg
@@ -55,6 +58,7 @@ class DartDrafter(Drafter):
         self.cache = KVCache(1, max_batch, c.num_kv_heads, 2 * max_seq_len + self.max_draft_depth,
                              c.head_dim, w.dtype, w.device)
         self.pending = [None] * max_batch
+        self.prompted = [False] * max_batch
 
     # ---- state updates ----------------------------------------------------------------------
     def _append_pending(self, rows: list[int], lens: list[int], taps: torch.Tensor,
@@ -73,6 +77,7 @@ class DartDrafter(Drafter):
         for r in idx:
             self.cache.reset_row(r)
             self.pending[r] = None
+            self.prompted[r] = True
         self._append_pending(idx, prompt_lens, taps, next_tokens)
 
     def observe(self, view, num_committed, taps, next_tokens) -> None:
@@ -81,10 +86,12 @@ class DartDrafter(Drafter):
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
         self.pending[dst], self.pending[src] = self.pending[src], None
+        self.prompted[dst], self.prompted[src] = self.prompted[src], False
 
     def release_row(self, row: int) -> None:
         self.cache.reset_row(row)
         self.pending[row] = None
+        self.prompted[row] = False
 
     # ---- drafting ---------------------------------------------------------------------------
     def _context_block(self, B: int, M: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -96,6 +103,9 @@ class DartDrafter(Drafter):
         pend = [self.pending[b] for b in range(B)]
         if any(p is None for p in pend):
             raise RuntimeError(f"{self.name} drafter has no pending context for a running row")
+        # more than one step's chunk, or a prompt: context that steps without a forward left
+        self.caught_up = any(len(p) > 1 or self.prompted[b] for b, p in enumerate(pend))
+        self.prompted[:B] = [False] * B
         taps = [torch.cat([c[0] for c in p]) if len(p) > 1 else p[0][0] for p in pend]
         nxt = [torch.cat([c[1] for c in p]) if len(p) > 1 else p[0][1] for p in pend]
         P_b = [t.shape[0] for t in nxt]
@@ -171,6 +181,7 @@ class DartDrafter(Drafter):
         decoding = view.decoding
         t0 = time.perf_counter()
         draft_s = 0.0
+        self.caught_up = False
         # per row: the prompt-lookup paths' trie, which leads the merged tree
         tries = ([Trie.of(paths) for paths, _ in self._lookups(view)]
                  if decoding.lookup_paths else None)

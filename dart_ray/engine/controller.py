@@ -417,11 +417,13 @@ class ContextualController:
     def record(self, B: int, n_used: int, accepted_paths: list[list[int]] | None, draft_s: float,
                verify_s: float, tokens_per_row: int, overhead_s: float,
                context: Hashable = 0, known: int | None = None,
-               full_width: int | None = None) -> None:
-        """:meth:`SpeculationController.record` for the step planned in ``context``."""
+               full_width: int | None = None, catch_up: bool = False) -> None:
+        """:meth:`SpeculationController.record` for the step planned in ``context``.
+        ``catch_up``: the drafting also took context that no step of this size brings (a newly
+        admitted row's prompt), like a step after plain ones: its drafting time is not learned."""
         self[context].record(B, n_used, accepted_paths, draft_s, verify_s, tokens_per_row,
-                             overhead_s, after_plain=self._last_used == 0, known=known,
-                             full_width=full_width)
+                             overhead_s, after_plain=self._last_used == 0 or catch_up,
+                             known=known, full_width=full_width)
         self._last_used = n_used
 
     def learn(self, context: Hashable, accepted_paths: list[list[int]], known: int) -> None:

@@ -190,6 +190,7 @@ class Engine:
             pack_linears,
             packing_available,
             packing_supported,
+            warm_packed,
         )
 
         local = isinstance(self.model, torch.nn.Module)
@@ -206,6 +207,9 @@ class Engine:
         if pack:
             pack_linears(self.model)
             self.drafter.pack_weights()
+            mods = [m for m in (self.model, getattr(self.drafter, "model", None))
+                    if isinstance(m, torch.nn.Module)]
+            warm_packed(mods)      # no step meets a kernel not built yet (and is timed at that)
         self.packed = bool(pack)
         """Whether the target's linears are oneDNN-prepacked (part of the cost model's cache
         key)."""
@@ -428,11 +432,13 @@ class Engine:
         t4 = time.perf_counter()
         m.other_s += t4 - t3
         if self.controller is not None:
-            # a plain step's context (its lookups) is overhead; a speculative step's, drafting
+            # a plain step's context (its lookups) is overhead; a speculative step's, drafting --
+            # unless the drafter also caught up on context earlier steps left (a new row's prompt)
             self.controller.record(B, n, now, draft_s=t1 - t0, verify_s=t2 - t1,
                                    tokens_per_row=tree.num_nodes,
                                    overhead_s=t4 - t2 + (t1 - t0 if n == 0 else 0.0),
-                                   context=context, known=known, full_width=full.num_nodes - 1)
+                                   context=context, known=known, full_width=full.num_nodes - 1,
+                                   catch_up=n > 0 and self.drafter.caught_up)
 
     @staticmethod
     def _known(view: BatchView, n: int, max_nodes: int) -> int:

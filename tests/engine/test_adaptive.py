@@ -632,3 +632,14 @@ def test_stop_trim_keeps_a_split_utf8_character(tiny):
     assert stopped and kept == ids[:keep] and text == "ok "
     assert stop in tok.decode(ids[:keep], skip_special_tokens=True)
     assert stop not in tok.decode(ids[:keep - 1], skip_special_tokens=True)
+
+
+def test_a_catch_up_step_teaches_acceptance_but_not_drafting_time():
+    """A drafter forward that also took a new prompt (5-10 ms) is not a step's drafting cost: the
+    step's acceptance is learned, its drafting time is not; the next ordinary step's time is."""
+    ctrl = ContextualController(flat_cost(), ControllerConfig(warmup_steps=0))
+    ctrl.record(1, 4, [[1, 2]], draft_s=0.009, verify_s=0.0, tokens_per_row=5, overhead_s=0.001,
+                catch_up=True)
+    assert ctrl[0].draft_s == {} and ctrl[0].acc[4] == pytest.approx(2.0)
+    ctrl.record(1, 4, [[1]], draft_s=0.002, verify_s=0.0, tokens_per_row=5, overhead_s=0.001)
+    assert ctrl[0].draft_s == {(1, 4): pytest.approx(0.002)}

@@ -458,3 +458,35 @@ def test_max_model_len_is_what_a_request_can_use(tiny):
     # past max_model_len the request ends there with "length" (prompt 120 + 8 = 128)
     out = eng.generate(list(range(5, 125)), SamplingParams(max_new_tokens=50, ignore_eos=True))[0]
     assert len(out.token_ids) == 8 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", ["dart", "eagle", "sps"])
+def test_drafting_that_catches_up_is_not_learned_as_a_steps_cost(tiny, tiny_baselines, method):
+    """A request's first drafter forward also takes its prompt (and DART's, after steps without a
+    forward, their context): the controller must not learn that time as a step's drafting cost.
+    Sizes are forced (4, 4, plain, 4, then 4 twice with a second request joined)."""
+    drafter = "random" if method == "dart" else str(tiny_baselines[method])
+    eng = make_engine(tiny, method, drafter, batch=2,
+                      decoding=DecodingConfig(tree_budget=4, top_k=4, beam_width=3,
+                                              lookup_paths=0, draft_depth=3))
+    plans = iter([4, 4, 0, 4, 4, 4])
+    eng.controller.plan = lambda B, max_nodes, context=0: next(plans)
+    seen: list[tuple[int, int, bool]] = []
+    record = eng.controller.record
+
+    def spy(B, n_used, *args, catch_up=False, **kw):
+        seen.append((B, n_used, catch_up))
+        return record(B, n_used, *args, catch_up=catch_up, **kw)
+
+    eng.controller.record = spy
+    eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    eng.add_request(PROMPTS[1], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    for _ in range(2):
+        eng.step()
+    # after the plain step DART/EAGLE take two steps' context in one forward; SpS drafts its
+    # catch-up chunk the same way every step (the controller skips it as after a plain step)
+    after_plain = method != "sps"
+    assert seen == [(1, 4, True), (1, 4, False), (1, 0, False), (1, 4, after_plain),
+                    (2, 4, True), (2, 4, False)]

@@ -126,3 +126,31 @@ def test_engine_packs_bf16_and_refuses_fp16(tiny_dirs):
     with pytest.raises(ValueError, match="pack_weights"):
         Engine.from_config(EngineConfig(model=str(tiny_dirs["llama"]), method="none", dtype="fp16",
                                         max_batch_size=1, max_seq_len=128, pack_weights=True))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_warm_packed_calls_one_linear_per_shape_at_every_row_count(monkeypatch):
+    """oneDNN builds a kernel per (weight shape, rows) on first use: one module per distinct shape
+    is run at each row count (layers of equal shape share kernels), nothing else is touched."""
+    from dart_ray.models.packing import warm_packed
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 48, bias=False), nn.Linear(32, 48, bias=False),
+                        nn.Linear(48, 32, bias=True))
+    other = nn.Sequential(nn.Linear(32, 48, bias=False), nn.Linear(16, 8, bias=False))
+    pack_linears(net)
+    pack_linears(other)
+    seen: list[tuple[int, int, int]] = []
+    forward = PackedLinear.forward
+
+    def spy(self, x):
+        seen.append((id(self), *x.shape))
+        return forward(self, x)
+
+    monkeypatch.setattr(PackedLinear, "forward", spy)
+    assert warm_packed([net, other], range(1, 4)) == 9              # 3 shapes x 3 row counts
+    assert {s[0] for s in seen} == {id(net[0]), id(net[2]), id(other[1])}
+    assert sorted(s[1] for s in seen if s[0] == id(net[2])) == [1, 2, 3]
+    assert all(s[2] == m.in_features for s in seen
+               for m in (net[0], net[2], other[1]) if s[0] == id(m))
+    assert warm_packed([nn.Linear(4, 4)]) == 0                       # nothing packed: no calls
