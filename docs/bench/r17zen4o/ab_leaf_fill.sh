@@ -6,7 +6,7 @@
 # (`dart-ray bench` restarts itself under jemalloc: dart_ray/allocator.py.)
 #   docs/bench/r17zen4o/ab_leaf_fill.sh OLD_TREE NEW_TREE OUT_DIR "ROUNDS"
 set -euo pipefail
-OLD=$1 NEW=$2 OUT=$3 ROUNDS=${4:-"1 2"}
+OLD=$1 NEW=$2 OUT=$(realpath -m "$3") ROUNDS=${4:-"1 2"}   # OUT absolute: each run cds into its tree
 BIN=${BIN:-$(pwd)/.venv/bin}   # run from the repository root, or set BIN
 mkdir -p "$OUT"
 for r in $ROUNDS; do
