@@ -103,11 +103,11 @@ class Drafter(abc.ABC):
         self.tree_time_s = 0.0
         """Cumulative seconds spent building trees (the rest of propose() counts as drafting)."""
         self.caught_up = False
-        """The last :meth:`propose` also took context that earlier steps left: a new row's prompt,
-        or what steps that ran no drafter forward committed. Its time is then not a step's
-        drafting cost, and the adaptive controller does not learn it as one (a 150-token prompt
-        through DART's layer cost 5-10 ms against ~2 ms per step on the Zen 5, and priced the
-        budget that happened to be chosen out for hundreds of steps)."""
+        """The last :meth:`propose` also took a new row's prompt (DART, EAGLE and SpS take a row's
+        prompt with its first drafter forward). Its time is then not a step's drafting cost, and
+        the adaptive controller does not learn it as one: a HumanEval prompt (~115 tokens) through
+        DART's layer costs 4-15 ms against ~2.3 ms per step on the Zen 5, and learned as the price
+        of the budget the request's first step used, it priced that budget out."""
 
     def max_tree_nodes(self, decoding: DecodingConfig) -> int:
         """Most draft nodes one ``propose`` may return (the engine reserves that much cache

@@ -103,8 +103,9 @@ class DartDrafter(Drafter):
         pend = [self.pending[b] for b in range(B)]
         if any(p is None for p in pend):
             raise RuntimeError(f"{self.name} drafter has no pending context for a running row")
-        # more than one step's chunk, or a prompt: context that steps without a forward left
-        self.caught_up = any(len(p) > 1 or self.prompted[b] for b, p in enumerate(pend))
+        # a row's prompt rides on this forward (a few chunks of skipped steps are a step's cost:
+        # a lookup-only step is timed cheap, so the forward after it must be timed too)
+        self.caught_up = any(self.prompted[:B])
         self.prompted[:B] = [False] * B
         taps = [torch.cat([c[0] for c in p]) if len(p) > 1 else p[0][0] for p in pend]
         nxt = [torch.cat([c[1] for c in p]) if len(p) > 1 else p[0][1] for p in pend]

@@ -419,8 +419,9 @@ class ContextualController:
                context: Hashable = 0, known: int | None = None,
                full_width: int | None = None, catch_up: bool = False) -> None:
         """:meth:`SpeculationController.record` for the step planned in ``context``.
-        ``catch_up``: the drafting also took context that no step of this size brings (a newly
-        admitted row's prompt), like a step after plain ones: its drafting time is not learned."""
+        ``catch_up``: the drafting also took a newly admitted row's prompt
+        (:attr:`Drafter.caught_up <dart_ray.drafters.base.Drafter.caught_up>`); like a step after
+        plain ones, its drafting time is not learned."""
         self[context].record(B, n_used, accepted_paths, draft_s, verify_s, tokens_per_row,
                              overhead_s, after_plain=self._last_used == 0 or catch_up,
                              known=known, full_width=full_width)

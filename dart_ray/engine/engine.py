@@ -186,6 +186,7 @@ class Engine:
 
     def _maybe_pack(self, pack: bool | None) -> None:
         from dart_ray.models.packing import (
+            WARM_ROWS,
             PackedLinear,
             pack_linears,
             packing_available,
@@ -209,7 +210,9 @@ class Engine:
             self.drafter.pack_weights()
             mods = [m for m in (self.model, getattr(self.drafter, "model", None))
                     if isinstance(m, torch.nn.Module)]
-            warm_packed(mods)      # no step meets a kernel not built yet (and is timed at that)
+            # no step meets a kernel not built yet (and is timed at that): every row count up to
+            # a bs-1 verify of the largest tree
+            warm_packed(mods, range(1, max(WARM_ROWS, self.scratch + 1) + 1))
         self.packed = bool(pack)
         """Whether the target's linears are oneDNN-prepacked (part of the cost model's cache
         key)."""
@@ -433,7 +436,7 @@ class Engine:
         m.other_s += t4 - t3
         if self.controller is not None:
             # a plain step's context (its lookups) is overhead; a speculative step's, drafting --
-            # unless the drafter also caught up on context earlier steps left (a new row's prompt)
+            # unless the drafter also took a new row's prompt in it (a catch-up, not a step's cost)
             self.controller.record(B, n, now, draft_s=t1 - t0, verify_s=t2 - t1,
                                    tokens_per_row=tree.num_nodes,
                                    overhead_s=t4 - t2 + (t1 - t0 if n == 0 else 0.0),

@@ -211,6 +211,31 @@ def test_dart_skips_the_drafter_where_lookup_paths_fill_the_kept_nodes(tiny):
     assert d.lookup_only_steps == 2 and d.pending[:2] == [None, None]
 
 
+def test_dart_says_when_a_forward_took_a_prompt(tiny):
+    """``caught_up``: the forward took a row's prompt (not a step's drafting cost). A lookup-only
+    step runs no forward and the one after it is ordinary; the flag moves with a compacted row."""
+    d = build("dart", tiny, "random")
+    H = tiny.args.hidden_size
+    rows, roots = [[11, 12, 13, 14, 15, 11, 12], [7, 8, 9, 10, 7, 8]], [13, 9]
+    knobs = dict(draft_depth=4, lookup_paths=1, lookup_len=4, lookup_min_match=2)
+    prefill(d, rows, roots, H)
+    d.propose(view(rows, roots, **knobs))
+    assert d.caught_up                                               # both prompts
+    prefill(d, rows, roots, H)
+    d.prompted[:2] = [False, False]                                  # as after an earlier forward
+    v = view(rows, roots, **knobs)
+    v.max_nodes = 3                                                  # lookup paths fill it
+    d.propose(v)
+    assert d.lookup_only_steps == 1 and not d.caught_up
+    d.propose(view(rows, roots, **knobs))                            # the forward after it
+    assert not d.caught_up and d.pending[:2] == [None, None]
+    prefill(d, rows, roots, H)
+    d.prompted[0] = False                                            # row 0 drafted already
+    d.move_row(1, 0)                                                 # row 1's prompt -> row 0
+    d.release_row(1)
+    assert d.prompted[:2] == [True, False]
+
+
 def test_dart_rows_need_pending_context(tiny):
     d = build("dart", tiny, "random")
     with pytest.raises(RuntimeError, match="no pending context"):

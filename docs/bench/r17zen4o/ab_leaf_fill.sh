@@ -6,7 +6,8 @@
 # (`dart-ray bench` restarts itself under jemalloc: dart_ray/allocator.py.)
 #   docs/bench/r17zen4o/ab_leaf_fill.sh OLD_TREE NEW_TREE OUT_DIR "ROUNDS"
 set -euo pipefail
-OLD=$1 NEW=$2 OUT=$(realpath -m "$3") ROUNDS=${4:-"1 2"}   # OUT absolute: each run cds into its tree
+# paths absolute: each run cds into its tree
+OLD=$(realpath "$1") NEW=$(realpath "$2") OUT=$(realpath -m "$3") ROUNDS=${4:-"1 2"}
 BIN=${BIN:-$(pwd)/.venv/bin}   # run from the repository root, or set BIN
 mkdir -p "$OUT"
 for r in $ROUNDS; do
