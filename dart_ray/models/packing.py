@@ -169,9 +169,9 @@ def warm_packed(modules: list[nn.Module], rows: range = range(1, WARM_ROWS + 1))
     shape -- DART's first drafter forwards in a process ran at 5 ms against 2.5 ms after, and the
     adaptive controller learned those prices. Layers of equal shape share kernels, so one module
     per shape is called. Returns the number of calls made (8 shapes x 81 rows for SmolLM2 and
-    DART at the default knobs: 648 calls, 0.75 s on 2 Zen 5 cores). The kernels stay in oneDNN's primitive
-    cache (1,024 entries by default, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; least recently used
-    out), which a much larger model or long-running batch shapes may cycle through."""
+    DART at the default knobs: 648 calls, 0.75 s on 2 Zen 5 cores). The kernels stay in oneDNN's
+    primitive cache (1,024 entries by default, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; least recently
+    used out), which a much larger model or long-running batch shapes may cycle through."""
     distinct: dict[tuple, PackedLinear] = {}
     for module in modules:
         for m in module.modules():
