@@ -1,11 +1,14 @@
 """Fixed tree sizes vs the adaptive controller, DART, bs 1, the first prompts of a set.
 
-    python scripts/sweep_tree_size.py humaneval|chat [--prompts 12] [--rounds 2]
+    python scripts/sweep_tree_size.py SET [--prompts 12] [--rounds 2] [--sizes adaptive,8]
+
+SET: humaneval | chat | a .jsonl/.parquet prompt file.
 
 Each size overrides the controller's choice (the engine still cuts the tree to the first n nodes,
-and DART still skips its drafter where lookup paths fill them); one engine, medians of per-prompt
-tokens/s per round, and how many speculative steps ran no drafter forward (lookup paths filled the
-kept nodes). Checks that the controller picks near the best fixed size on this machine.
+and DART still skips its drafter where lookup paths fill them); one engine, per round the median of
+per-prompt tokens/s and the total (all tokens / all seconds: the median of a dozen prompts can
+differ from it by 10 %), and how many speculative steps ran no drafter forward (lookup paths filled
+the kept nodes). Checks that the controller picks near the best fixed size on this machine.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main() -> None:
     ap.add_argument("prompts", help="humaneval | chat | a .jsonl/.parquet prompt file")
     ap.add_argument("--prompts", dest="n", type=int, default=12, help="prompts per size")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                    help="comma list of 'adaptive' and fixed node counts")
     a = ap.parse_args()
 
     from dart_ray import Engine, EngineConfig, SamplingParams, encode_prompt
@@ -38,20 +43,24 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=128)
     adaptive = eng.controller.plan
     eng.generate([ids[0]], params)                                   # warm-up
+    sizes = [s if s == "adaptive" else int(s) for s in a.sizes.split(",")]
     for r in range(a.rounds):
-        for size in SIZES:
+        for size in sizes:
             eng.controller.plan = adaptive if size == "adaptive" else _fixed(size)
             eng.reset_stats()
             skipped = eng.drafter.lookup_only_steps
-            rates = []
+            rates, tokens, secs = [], 0, 0.0
             for prompt in ids:
                 t0 = time.perf_counter()
                 n = len(eng.generate([prompt], params)[0].token_ids)
-                rates.append(n / (time.perf_counter() - t0))
+                dt = time.perf_counter() - t0
+                rates.append(n / dt)
+                tokens, secs = tokens + n, secs + dt
             label = size if size == "adaptive" else f"n={size}"
             med, st = statistics.median(rates), eng.stats()
             skipped = eng.drafter.lookup_only_steps - skipped
-            print(f"round {r + 1} {a.prompts} {label}: median {med:.1f} tok/s, "
+            print(f"round {r + 1} {a.prompts} {label}: median {med:.1f} tok/s, total "
+                  f"{tokens / secs:.1f} tok/s, "
                   f"tau {st.mean_accepted_len:.2f}, drafter skipped on {skipped} of "
                   f"{st.steps - st.ar_steps} speculative steps", flush=True)
 
