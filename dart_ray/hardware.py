@@ -58,6 +58,29 @@ def cpu_model_and_flags() -> tuple[str, tuple[str, ...]]:
     return model, tuple(f for f in ISA_FLAGS if f in flags)
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_id() -> str:
+    """The CPU's family and model numbers from ``/proc/cpuinfo`` (x86: ``"family 26 model 2"``;
+    Arm: ``"implementer 0x41 part 0xd40"``), '' where unknown. The model string does not tell CPU
+    generations apart in every guest: two KVM guests on Zen 4 and on Zen 5 both read "AMD EPYC" with
+    the same ISA flags, and their decode steps differ 2x (22 vs 10 ms for SmolLM2 in bf16)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break                                   # the first processor's block is enough
+        key, _, val = line.partition(":")
+        fields.setdefault(key.strip().lower(), val.strip())
+    if "cpu family" in fields and "model" in fields:
+        return f"family {fields['cpu family']} model {fields['model']}"
+    if "cpu implementer" in fields and "cpu part" in fields:
+        return f"implementer {fields['cpu implementer']} part {fields['cpu part']}"
+    return ""
+
+
 def device_name(device: str | torch.device) -> str:
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -84,6 +107,13 @@ class Fingerprint:
     """Resolved dtype (``fp32``/``bf16``/``fp16``; never ``auto``)."""
     model: str
     """Target model id ('' when the fingerprint is about the machine alone)."""
+    cpu_id: str = ""
+    """CPU family and model numbers (:func:`cpu_id`): tells apart generations that share a model
+    string. '' where unknown, and in fingerprints recorded before the field existed (such a record
+    is not said to differ in it)."""
+
+    OPTIONAL = ("cpu_id",)
+    """Fields a recorded fingerprint may lack (added later; read as their default)."""
 
     @classmethod
     def current(cls, device: str | torch.device = "cpu", dtype: str = "", model: str = "",
@@ -92,7 +122,8 @@ class Fingerprint:
         env = tuple(f"{k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k))
         return cls(device=device_name(device), cpu=cpu, isa=flags + env,
                    threads=int(threads or torch.get_num_threads()),
-                   torch=torch.__version__.split("+")[0], dtype=dtype, model=model)
+                   torch=torch.__version__.split("+")[0], dtype=dtype, model=model,
+                   cpu_id=cpu_id())
 
     def key(self) -> str:
         """Short stable hash (file names of cached measurements)."""
@@ -106,16 +137,18 @@ class Fingerprint:
     @classmethod
     def from_dict(cls, d: dict) -> Fingerprint:
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(d)
+        missing = names - set(d) - set(cls.OPTIONAL)
         if missing:
             raise ValueError(f"fingerprint is missing {sorted(missing)}")
-        return cls(**{k: (tuple(d[k]) if k == "isa" else d[k]) for k in names})
+        return cls(**{k: (tuple(d[k]) if k == "isa" else d[k]) for k in names if k in d})
 
     def differences(self, other: Fingerprint) -> list[str]:
         """Human-readable ``field: ours != theirs`` for every field that differs."""
         out = []
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name in self.OPTIONAL and "" in (a, b):
+                continue                                   # not recorded on one side
             if a != b:
                 out.append(f"{f.name}: {b!r} (recorded) != {a!r} (here)")
         return out
@@ -125,7 +158,8 @@ class Fingerprint:
         isa = ",".join(f for f in self.isa if f in ("avx2", "avx512f", "avx512_bf16",
                                                     "amx_bf16") or "=" in f)
         dev = "" if self.device == self.cpu else f"{self.device} / "
-        return f"{dev}{self.cpu} [{isa or 'no avx2'}] x{self.threads} threads, {self.dtype}"
+        cpu = f"{self.cpu} ({self.cpu_id})" if self.cpu_id else self.cpu
+        return f"{dev}{cpu} [{isa or 'no avx2'}] x{self.threads} threads, {self.dtype}"
 
 
 def hardware_cache_dir() -> Path:

@@ -19,8 +19,9 @@ The engine asks ``schedule.for_batch_size(B)`` every step: the first entry whose
 Profiles are referenced by path or by name (``$DART_RAY_PROFILES`` dir, then the shipped
 ``dart_ray/artifacts/profiles``). A name may have one variant per CPU class, ``NAME@CLASS.yaml``
 beside ``NAME.yaml``: the name resolves to the variant whose ``meta.fingerprint`` names this
-machine's CPU model and ISA, else to ``NAME.yaml``. A profile written before the ``chunk_len`` ->
-``draft_depth`` rename still loads, with a :class:`~dart_ray.config.RenamedWarning` (one release).
+machine's CPU model and ISA (and family/model numbers, where recorded), else to ``NAME.yaml``.
+A profile written before the ``chunk_len`` -> ``draft_depth`` rename still loads, with a
+:class:`~dart_ray.config.RenamedWarning` (one release).
 
 **Hardware.** A profile is a measurement of one machine: ``dart-ray tune`` records the measuring
 engine's :class:`~dart_ray.hardware.Fingerprint` in ``meta.fingerprint`` (and a readable
@@ -138,8 +139,10 @@ def resolve_profile(ref: str | Path) -> Path:
 
 def _tuned_on_this_cpu(paths: list[Path]) -> Path | None:
     """The first of ``paths`` whose recorded fingerprint (:func:`profile_fingerprint`) names this
-    machine's CPU model and ISA (the CPU class: the trade-offs a profile measures differ between
-    classes), else None. Unreadable variants are skipped here (loading one by path still fails)."""
+    machine's CPU model and ISA, and its family/model numbers where the profile recorded them (the
+    CPU class: the trade-offs a profile measures differ between classes, and "AMD EPYC" with
+    AVX-512 names both a Zen 4 and a Zen 5), else None. Unreadable variants are skipped here
+    (loading one by path still fails)."""
     from dart_ray.hardware import Fingerprint
 
     here = Fingerprint.current("cpu")
@@ -148,7 +151,8 @@ def _tuned_on_this_cpu(paths: list[Path]) -> Path | None:
             fp = profile_fingerprint(load_profile(p))
         except (ValueError, TypeError, OSError):
             continue
-        if fp is not None and (fp.cpu, tuple(fp.isa)) == (here.cpu, tuple(here.isa)):
+        if (fp is not None and (fp.cpu, tuple(fp.isa)) == (here.cpu, tuple(here.isa))
+                and fp.cpu_id in ("", here.cpu_id)):
             return p
     return None
 

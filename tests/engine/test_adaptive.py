@@ -6,6 +6,8 @@ the controller on is tested in fp32 on tiny random targets."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import COST_GRID_B as GRID_B
@@ -574,6 +576,32 @@ def test_fingerprint_round_trip_and_differences():
     assert len(diffs) == 2 and any("Other CPU" in d for d in diffs)
     with pytest.raises(ValueError, match="missing"):
         Fingerprint.from_dict({"cpu": "x"})
+
+
+def test_fingerprint_tells_cpu_generations_with_one_model_string_apart(monkeypatch):
+    """Two KVM guests, Zen 4 and Zen 5, both read "AMD EPYC" with the same flags: the family/model
+    numbers split their cached measurements; a record made before the field existed still loads
+    and is not said to differ in it."""
+    from dart_ray import hardware
+    from dart_ray.hardware import Fingerprint
+
+    zen5 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+            "model name\t: AMD EPYC\nflags\t\t: avx2 avx512f avx512_bf16\n\n"
+            "processor\t: 1\ncpu family\t: 99\n")
+    monkeypatch.setattr(hardware.Path, "read_text", lambda self: zen5)
+    hardware.cpu_id.cache_clear()
+    try:
+        assert hardware.cpu_id() == "family 26 model 2"
+    finally:
+        hardware.cpu_id.cache_clear()
+    zen5_fp = Fingerprint("AMD EPYC", "AMD EPYC", ("avx2",), 2, "2.13.0", "bf16", "m",
+                          cpu_id="family 26 model 2")
+    zen4_fp = dataclasses.replace(zen5_fp, cpu_id="family 25 model 17")
+    assert zen5_fp.key() != zen4_fp.key() and len(zen5_fp.differences(zen4_fp)) == 1
+    assert "(family 26 model 2)" in zen5_fp.summary()
+    old = {k: v for k, v in zen4_fp.to_dict().items() if k != "cpu_id"}     # an older record
+    assert Fingerprint.from_dict(old).cpu_id == "" and zen5_fp.differences(
+        Fingerprint.from_dict(old)) == []
 
 
 # ---- usage agrees with the text ------------------------------------------------------------------

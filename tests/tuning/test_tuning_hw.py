@@ -136,6 +136,11 @@ def test_a_name_resolves_to_the_variant_tuned_on_this_cpu_class(tmp_path, monkey
     isa_only = dataclasses.replace(here, isa=tuple(f for f in here.isa if f != "avx2") + ("x",))
     save_profile(_schedule(isa_only), tmp_path / "code@here.yaml")      # same model, other ISA
     assert resolve_profile("code") == tmp_path / "code.yaml"
+    other_gen = dataclasses.replace(here, cpu_id="family 1 model 1")   # same string, other CPU
+    save_profile(_schedule(other_gen), tmp_path / "code@here.yaml")
+    assert resolve_profile("code") == tmp_path / "code.yaml"
+    save_profile(_schedule(dataclasses.replace(here, cpu_id="")), tmp_path / "code@here.yaml")
+    assert resolve_profile("code") == tmp_path / "code@here.yaml"      # recorded without one
     save_profile(_schedule(_fp()), tmp_path / "chat@x.yaml")             # only a variant
     assert resolve_profile("chat") == tmp_path / "chat@x.yaml"
     assert resolve_profile(tmp_path / "code@other.yaml") == tmp_path / "code@other.yaml"
