@@ -5,8 +5,9 @@ every speed decision depends on the machine: on an AMX Xeon a 61-row bf16 forwar
 1-row one, on an AVX2-only EPYC (oneDNN *emulates* bf16 there) a 61-row bf16 linear is ~7x the
 fp32 one. Nothing here assumes: dtype ``"auto"`` asks the capability and then measures.
 
-* :class:`Fingerprint` -- device name, CPU model and ISA flags, threads, torch version, dtype and
-  model: the key of every measured cost table (``dart_ray.engine.cost``) and of tuned profiles.
+* :class:`Fingerprint` -- device name, CPU model, family/model numbers and ISA flags, threads,
+  torch version, dtype and model: the key of every measured cost table (``dart_ray.engine.cost``)
+  and of tuned profiles.
 * :func:`resolve_dtype` -- ``"auto"`` -> ``"bf16"`` where bf16 is supported *and* measured at
   least as fast as fp32 (CUDA with bf16; CPUs with oneDNN bf16), else ``"fp32"``.
 
@@ -26,6 +27,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -65,9 +67,13 @@ def cpu_id() -> str:
     generations apart in every guest: two KVM guests on Zen 4 and on Zen 5 both read "AMD EPYC" with
     the same ISA flags, and their decode steps differ 2x (22 vs 10 ms for SmolLM2 in bf16)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return parse_cpu_id(Path("/proc/cpuinfo").read_text())
     except OSError:
         return ""
+
+
+def parse_cpu_id(text: str) -> str:
+    """:func:`cpu_id` from the text of ``/proc/cpuinfo`` (its first processor's block)."""
     fields: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip():
@@ -112,7 +118,7 @@ class Fingerprint:
     string. '' where unknown, and in fingerprints recorded before the field existed (such a record
     is not said to differ in it)."""
 
-    OPTIONAL = ("cpu_id",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("cpu_id",)
     """Fields a recorded fingerprint may lack (added later; read as their default)."""
 
     @classmethod

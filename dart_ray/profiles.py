@@ -152,7 +152,7 @@ def _tuned_on_this_cpu(paths: list[Path]) -> Path | None:
         except (ValueError, TypeError, OSError):
             continue
         if (fp is not None and (fp.cpu, tuple(fp.isa)) == (here.cpu, tuple(here.isa))
-                and fp.cpu_id in ("", here.cpu_id)):
+                and ("" in (fp.cpu_id, here.cpu_id) or fp.cpu_id == here.cpu_id)):
             return p
     return None
 
@@ -200,6 +200,15 @@ def profile_fingerprint(schedule: DecodingSchedule):
         raise TypeError(f"profile {schedule.workload!r}: meta.fingerprint must be a mapping, got "
                         f"{type(raw).__name__}")
     return Fingerprint.from_dict(raw)
+
+
+def fingerprint_differences(recorded: dict, here: dict) -> list[str]:
+    """``field: recorded != here`` per differing field of two ``Fingerprint.to_dict()`` records; a
+    field one of them was recorded without (added later, e.g. ``cpu_id``) is not a difference.
+    Raises TypeError / ValueError for a malformed record."""
+    from dart_ray.hardware import Fingerprint
+
+    return Fingerprint.from_dict(here).differences(Fingerprint.from_dict(recorded))
 
 
 def hardware_differences(schedule: DecodingSchedule, fingerprint: Any) -> list[str]:

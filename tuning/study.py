@@ -166,6 +166,26 @@ class StudyStatus:
     """The study had no trials before this run (warm-start points, if any, were enqueued)."""
 
 
+def setup_differences(old: dict, new: dict) -> list[str]:
+    """Keys of two study fingerprints that differ. ``hardware`` is compared as a hardware
+    fingerprint (:func:`dart_ray.profiles.fingerprint_differences`): a study recorded before a
+    field was added to it (``cpu_id``) still resumes on the same machine."""
+    from dart_ray.profiles import fingerprint_differences
+
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if k == "hardware" and isinstance(a, dict) and isinstance(b, dict):
+            try:
+                if not fingerprint_differences(a, b):
+                    continue
+            except (TypeError, ValueError):
+                pass                                   # malformed: compared as plain values
+        if a != b:
+            out.append(k)
+    return out
+
+
 def prepare_study(storage, name: str, fingerprint: dict, space: SearchSpace, target_trials: int,
                   max_requeue: int = 1, warm_start: Sequence[dict] = (),
                   objective: str = "throughput") -> StudyStatus:
@@ -178,8 +198,8 @@ def prepare_study(storage, name: str, fingerprint: dict, space: SearchSpace, tar
         raise StudyMismatchError(f"study {name!r} in this storage has {len(study.directions)} "
                                  f"objective(s), not {len(directions(objective))} ({objective})")
     old = study.user_attrs.get("fingerprint")
-    if old is not None and old != fingerprint:
-        diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+    diff = [] if old is None else setup_differences(old, fingerprint)
+    if diff:
         raise StudyMismatchError(
             f"study {name!r} in this storage was tuned with a different setup (differs in {diff}); "
             "use another --workload name or --storage, or the same settings as before")

@@ -15,8 +15,8 @@ monotone (measurement noise never makes a bigger forward look cheaper). It is
   on 2 cores;
 * **cached** under ``$DART_RAY_CACHE/hardware/cost-v2-<fingerprint>.json``
   (:func:`load_or_measure`),
-  keyed by :class:`~dart_ray.hardware.Fingerprint` (device, CPU model + ISA, threads, torch, dtype,
-  model), so a restart on the same machine costs nothing;
+  keyed by :class:`~dart_ray.hardware.Fingerprint` (device, CPU model + family/model numbers + ISA,
+  threads, torch, dtype, model), so a restart on the same machine costs nothing;
 * **refined online** (:meth:`CostModel.observe`): every decode step's measured verify time pulls
   the nearest grid cell toward it (exponential moving average of the observed/predicted ratio).
 

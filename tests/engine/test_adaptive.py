@@ -578,7 +578,7 @@ def test_fingerprint_round_trip_and_differences():
         Fingerprint.from_dict({"cpu": "x"})
 
 
-def test_fingerprint_tells_cpu_generations_with_one_model_string_apart(monkeypatch):
+def test_fingerprint_tells_cpu_generations_with_one_model_string_apart():
     """Two KVM guests, Zen 4 and Zen 5, both read "AMD EPYC" with the same flags: the family/model
     numbers split their cached measurements; a record made before the field existed still loads
     and is not said to differ in it."""
@@ -588,12 +588,10 @@ def test_fingerprint_tells_cpu_generations_with_one_model_string_apart(monkeypat
     zen5 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
             "model name\t: AMD EPYC\nflags\t\t: avx2 avx512f avx512_bf16\n\n"
             "processor\t: 1\ncpu family\t: 99\n")
-    monkeypatch.setattr(hardware.Path, "read_text", lambda self: zen5)
-    hardware.cpu_id.cache_clear()
-    try:
-        assert hardware.cpu_id() == "family 26 model 2"
-    finally:
-        hardware.cpu_id.cache_clear()
+    assert hardware.parse_cpu_id(zen5) == "family 26 model 2"
+    arm = "processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n"
+    assert hardware.parse_cpu_id(arm) == "implementer 0x41 part 0xd40"
+    assert hardware.parse_cpu_id("processor\t: 0\nmodel name\t: x\n") == ""
     zen5_fp = Fingerprint("AMD EPYC", "AMD EPYC", ("avx2",), 2, "2.13.0", "bf16", "m",
                           cpu_id="family 26 model 2")
     zen4_fp = dataclasses.replace(zen5_fp, cpu_id="family 25 model 17")

@@ -407,3 +407,24 @@ def test_init_ray_gives_cpu_trials_the_fast_allocator(tmp_path, monkeypatch):
     s.engine = EngineConfig(device="cuda")
     init_ray(s)
     assert "runtime_env" not in seen[-1]
+
+
+def test_a_study_recorded_before_cpu_id_resumes_on_the_same_machine(tmp_path):
+    """A study's recorded hardware predating a fingerprint field (``cpu_id``) is not a different
+    setup; another CPU, or another setting, still is."""
+    from dart_ray.hardware import Fingerprint
+    from tuning import study as st
+    from tuning.space import SearchSpace
+
+    space = SearchSpace.for_drafter("dart", 8, False)
+    storage = st.open_storage(f"sqlite:///{tmp_path / 'tune.db'}")
+    hw = Fingerprint("AMD EPYC", "AMD EPYC", ("avx2",), 2, "2.13.0", "bf16", "m",
+                     cpu_id="family 26 model 2").to_dict()
+    old_hw = {k: v for k, v in hw.items() if k != "cpu_id"}
+    st.prepare_study(storage, "w.bs1", {"model": "m", "hardware": old_hw}, space, 3)
+    resumed = st.prepare_study(storage, "w.bs1", {"model": "m", "hardware": hw}, space, 3)
+    assert resumed.remaining == 3
+    assert st.setup_differences({"hardware": old_hw}, {"hardware": {**hw, "cpu": "Other"}}) == [
+        "hardware"]
+    with pytest.raises(st.StudyMismatchError, match="model"):
+        st.prepare_study(storage, "w.bs1", {"model": "x", "hardware": hw}, space, 3)
