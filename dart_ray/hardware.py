@@ -41,45 +41,48 @@ ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 """Environment variables that restrict the ISA torch uses (recorded as ``VAR=value`` flags)."""
 
 
+def cpuinfo_fields(text: str) -> dict[str, str]:
+    """Each key of ``/proc/cpuinfo`` text (lower-cased) with its first value: the first
+    processor's, for the keys every processor's block repeats."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, val = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip().lower(), val.strip())
+    return fields
+
+
 @functools.lru_cache(maxsize=1)
+def _cpuinfo() -> dict[str, str]:
+    """:func:`cpuinfo_fields` of this machine (empty where there is no ``/proc/cpuinfo``)."""
+    try:
+        return cpuinfo_fields(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return {}
+
+
 def cpu_model_and_flags() -> tuple[str, tuple[str, ...]]:
     """(CPU model name, the :data:`ISA_FLAGS` it has) from ``/proc/cpuinfo`` (Linux) or platform."""
-    model, flags = "", set()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        key = key.strip().lower()
-        if key == "model name" and not model:
-            model = val.strip()
-        elif key in ("flags", "features") and not flags:
-            flags = set(val.split())
-    model = model or platform.processor() or platform.machine() or "unknown"
+    info = _cpuinfo()
+    model = (info.get("model name") or platform.processor() or platform.machine() or "unknown")
+    flags = set((info.get("flags") or info.get("features") or "").split())
     return model, tuple(f for f in ISA_FLAGS if f in flags)
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_id() -> str:
     """The CPU's family and model numbers from ``/proc/cpuinfo`` (x86: ``"family 26 model 2"``;
     Arm: ``"implementer 0x41 part 0xd40"``), '' where unknown. The model string does not tell CPU
     generations apart in every guest: two KVM guests on Zen 4 and on Zen 5 both read "AMD EPYC" with
     the same ISA flags, and their decode steps differ 2x (22 vs 10 ms for SmolLM2 in bf16)."""
-    try:
-        return parse_cpu_id(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return ""
+    return _cpu_id_of(_cpuinfo())
 
 
 def parse_cpu_id(text: str) -> str:
-    """:func:`cpu_id` from the text of ``/proc/cpuinfo`` (its first processor's block)."""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            break                                   # the first processor's block is enough
-        key, _, val = line.partition(":")
-        fields.setdefault(key.strip().lower(), val.strip())
+    """:func:`cpu_id` from the text of a ``/proc/cpuinfo``."""
+    return _cpu_id_of(cpuinfo_fields(text))
+
+
+def _cpu_id_of(fields: dict[str, str]) -> str:
     if "cpu family" in fields and "model" in fields:
         return f"family {fields['cpu family']} model {fields['model']}"
     if "cpu implementer" in fields and "cpu part" in fields:
@@ -147,6 +150,12 @@ class Fingerprint:
         if missing:
             raise ValueError(f"fingerprint is missing {sorted(missing)}")
         return cls(**{k: (tuple(d[k]) if k == "isa" else d[k]) for k in names if k in d})
+
+    def same_cpu(self, other: Fingerprint) -> bool:
+        """The same CPU class: model string, ISA and, where both record them, family/model
+        numbers."""
+        return ((self.cpu, tuple(self.isa)) == (other.cpu, tuple(other.isa))
+                and ("" in (self.cpu_id, other.cpu_id) or self.cpu_id == other.cpu_id))
 
     def differences(self, other: Fingerprint) -> list[str]:
         """Human-readable ``field: ours != theirs`` for every field that differs."""

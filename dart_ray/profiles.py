@@ -151,8 +151,7 @@ def _tuned_on_this_cpu(paths: list[Path]) -> Path | None:
             fp = profile_fingerprint(load_profile(p))
         except (ValueError, TypeError, OSError):
             continue
-        if (fp is not None and (fp.cpu, tuple(fp.isa)) == (here.cpu, tuple(here.isa))
-                and ("" in (fp.cpu_id, here.cpu_id) or fp.cpu_id == here.cpu_id)):
+        if fp is not None and fp.same_cpu(here):
             return p
     return None
 

@@ -46,9 +46,6 @@ class DartDrafter(Drafter):
         """Per row: chunks of (taps [n, nT*H], next tokens [n]) committed since the last drafter
         forward. Kept raw -- a plain step costs a list append -- and turned into layer inputs in one
         batched call when the drafter next runs (its catch-up after skipped steps)."""
-        self.prompted: list[bool] = []
-        """Per row: its pending context holds its prompt (the drafter has not run since
-        prefill)."""
 
     def allocate(self, max_batch: int, max_seq_len: int) -> None:
         c = self.model_cfg
@@ -58,7 +55,6 @@ class DartDrafter(Drafter):
         self.cache = KVCache(1, max_batch, c.num_kv_heads, 2 * max_seq_len + self.max_draft_depth,
                              c.head_dim, w.dtype, w.device)
         self.pending = [None] * max_batch
-        self.prompted = [False] * max_batch
 
     # ---- state updates ----------------------------------------------------------------------
     def _append_pending(self, rows: list[int], lens: list[int], taps: torch.Tensor,
@@ -77,7 +73,6 @@ class DartDrafter(Drafter):
         for r in idx:
             self.cache.reset_row(r)
             self.pending[r] = None
-            self.prompted[r] = True
         self._append_pending(idx, prompt_lens, taps, next_tokens)
 
     def observe(self, view, num_committed, taps, next_tokens) -> None:
@@ -86,12 +81,17 @@ class DartDrafter(Drafter):
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
         self.pending[dst], self.pending[src] = self.pending[src], None
-        self.prompted[dst], self.prompted[src] = self.prompted[src], False
 
     def release_row(self, row: int) -> None:
         self.cache.reset_row(row)
         self.pending[row] = None
-        self.prompted[row] = False
+
+    @property
+    def prompted(self) -> list[bool]:
+        """Per row: its pending context holds its prompt (no drafter forward since prefill, which
+        empties the row's drafter cache; the first forward fills it)."""
+        return [p is not None and n == 0 for p, n in zip(self.pending, self.cache.lengths,
+                                                           strict=True)]
 
     # ---- drafting ---------------------------------------------------------------------------
     def _context_block(self, B: int, M: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -103,10 +103,10 @@ class DartDrafter(Drafter):
         pend = [self.pending[b] for b in range(B)]
         if any(p is None for p in pend):
             raise RuntimeError(f"{self.name} drafter has no pending context for a running row")
-        # a row's prompt rides on this forward (a few chunks of skipped steps are a step's cost:
-        # a lookup-only step is timed cheap, so the forward after it must be timed too)
-        self.caught_up = any(self.prompted[:B])
-        self.prompted[:B] = [False] * B
+        starts = self.cache.lengths[:B]
+        # an empty drafter cache: the row's prompt rides on this forward (a few chunks of skipped
+        # steps are a step's cost: a lookup-only step is timed cheap, the forward after it too)
+        self.caught_up = 0 in starts
         taps = [torch.cat([c[0] for c in p]) if len(p) > 1 else p[0][0] for p in pend]
         nxt = [torch.cat([c[1] for c in p]) if len(p) > 1 else p[0][1] for p in pend]
         P_b = [t.shape[0] for t in nxt]
@@ -120,7 +120,6 @@ class DartDrafter(Drafter):
         resid = torch.cat([r_ctx, r_m], dim=1)                         # [B, T, H]
         T = P + M
         dev = h.device
-        starts = self.cache.lengths[:B]
         plen = torch.tensor(P_b, device=dev)[:, None]                  # [B, 1]
         t = torch.arange(T, device=dev)[None, :]                       # [1, T]
         is_mask = t >= P                                               # [1, T]

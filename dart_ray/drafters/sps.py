@@ -93,7 +93,7 @@ class SpsDrafter(Drafter):
         sampled = [b for b, p in enumerate(params) if not p.greedy]
         dev = view.roots.device
         done = self.cache.lengths[:B]
-        self.caught_up = any(n == 0 for n in done)           # a row's first chunk is its prompt
+        self.caught_up = 0 in done                           # a row's first chunk is its prompt
         # catch up: tokens committed since the last step, then the root -- one chunk
         pend = [list(view.tokens[b, done[b]:view.lengths[b]]) + [int(view.roots[b])]
                 for b in range(B)]

@@ -221,16 +221,20 @@ def test_dart_says_when_a_forward_took_a_prompt(tiny):
     prefill(d, rows, roots, H)
     d.propose(view(rows, roots, **knobs))
     assert d.caught_up                                               # both prompts
-    prefill(d, rows, roots, H)
-    d.prompted[:2] = [False, False]                                  # as after an earlier forward
+    def commit_one():                                                # what a step hands the drafter
+        d.observe(None, [1, 1], torch.randn(2, 1, len(d.taps) * H), torch.tensor([[14], [7]]))
+
+    commit_one()                                                     # after that forward
     v = view(rows, roots, **knobs)
     v.max_nodes = 3                                                  # lookup paths fill it
     d.propose(v)
     assert d.lookup_only_steps == 1 and not d.caught_up
+    commit_one()
     d.propose(view(rows, roots, **knobs))                            # the forward after it
     assert not d.caught_up and d.pending[:2] == [None, None]
-    prefill(d, rows, roots, H)
-    d.prompted[0] = False                                            # row 0 drafted already
+    commit_one()                                                     # both rows drafted already,
+    d.prefill(slice(1, 2), [3], torch.randn(1, 3, len(d.taps) * H),  # then row 1 takes a prompt
+              torch.tensor([[8, 9, 9]]))
     d.move_row(1, 0)                                                 # row 1's prompt -> row 0
     d.release_row(1)
     assert d.prompted[:2] == [True, False]
