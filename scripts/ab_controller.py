@@ -4,13 +4,16 @@ Every method runs twice in one process on one loaded target, interleaved per pro
 order), so machine drift hits both alike: as shipped, and with a suffix:
 
 * ``0``: every step in one context, no hindsight (the controller before both),
-* ``1``: contexts and hindsight, without the "running" half of the context.
+* ``1``: contexts and hindsight, without the "running" half of the context,
+* ``o``: probes that back off after every probe (``probe_until_seen=0``, the controller before
+  probing episodes; 2026-12-07, twentieth sitting).
 
 Prints and writes median tok/s over prompts, total tok/s, tau, the time split and each
 controller's final estimates per context.
 
     python scripts/ab_controller.py humaneval 24 out.json      # ar,ngram,ngram0,dart,dart0
     python scripts/ab_controller.py chat 24 out.json ar,ngram,ngram1,dart,dart1
+    python scripts/ab_controller.py chat 40 out.json ar,dart,darto,ngram,ngramo
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     from dart_ray.config import EngineConfig, SamplingParams
     from dart_ray.drafters import make_drafter
     from dart_ray.engine import Engine
+    from dart_ray.engine.controller import ControllerConfig
     from dart_ray.engine.engine import encode_prompt
     from dart_ray.hardware import resolve_dtype
     from dart_ray.models import load_target
@@ -40,10 +44,12 @@ def main() -> None:
     target = load_target(None, dtype, "cpu", max_seq_len=2048)
     engines = {}
     for m in methods:
-        base = m.rstrip("01")
+        base = m.rstrip("01o")
         cfg = EngineConfig(method={"ar": "none"}.get(base, base), dtype=dtype, max_batch_size=1,
                            max_seq_len=2048)
         e = Engine(target, make_drafter(cfg, target), cfg)
+        if m.endswith("o"):                     # before any context's controller exists
+            e.controller.config = ControllerConfig(probe_until_seen=0)
         if m.endswith("1"):
             e.hindsight.running = lambda rid: False
         if m.endswith("0"):

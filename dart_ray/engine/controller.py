@@ -34,9 +34,10 @@ the cut drops the columns no row uses). A size never verified is priced at its f
 **Exploration.** Sizes above the chosen one are only learned by trying them: every
 ``explore_every`` steps the controller verifies the next ladder size up (one rung, so a probe costs
 little even where big trees are dear); a probe that does not change the choice doubles the interval
-(up to ``max_explore_every``), one that does resets it. The first steps (``warmup_steps``) use the
-largest tree whose verify costs at most ``warmup_cost_ratio`` plain steps, to learn acceptance at
-every smaller size.
+(up to ``max_explore_every``) once this probing episode has seen the size ``probe_until_seen``
+row-steps, one that does resets it; a new episode discounts the size's stale estimate. The first
+steps (``warmup_steps``) use the largest tree whose verify costs at most ``warmup_cost_ratio`` plain
+steps, to learn acceptance at every smaller size.
 
 **Sizes above the current choice are estimated from paired increments.** Their absolute
 acceptance was last seen at a probe, often many steps (and requests) ago, while the sizes at or
@@ -83,10 +84,19 @@ class ControllerConfig:
     """Weight of one step in the drafting/overhead time moving averages."""
     explore_every: int = 16
     """Verify one ladder rung above the current choice after this many decode steps; the interval
-    doubles after every probe that did not change the choice (up to ``max_explore_every``) and
-    starts again from here when one did."""
+    doubles after a probe that did not change the choice once the size probed is established
+    (``probe_until_seen``; up to ``max_explore_every``) and starts again from here when one did."""
     max_explore_every: int = 512
     """Longest interval between probes (a workload that never rewards speculation pays ~nothing)."""
+    probe_until_seen: int = 20
+    """The interval doubles only after a probe of a size seen this many row-steps in the current
+    *probing episode*; a probe after a back-off opens a new episode, in which the size's stale
+    estimate weighs as ``probe_until_seen // 4`` row-steps against the fresh probes. Without it, a
+    streak of zeros (acceptance comes in bursts) that made the choice fall below a size froze that
+    size's estimate there, while the probes that could correct it (each moving it 5 %) grew
+    exponentially rare. 0 = double after every probe. (Replayed on the chat set with the Zen 5's
+    prices over 12 prompt orders, `dart_ray/bench/replay.py`: 1.35x plain on average, 1.13x at
+    worst, against 1.41x / 1.39x with episodes; docs/BENCHMARKS.md.)"""
     warmup_steps: int = 4
     """Decode steps at the start (and after a knob change) that verify the warm-up tree."""
     warmup_cost_ratio: float = 2.0
@@ -107,10 +117,12 @@ class ControllerConfig:
         if not 0.0 < self.alpha <= 1.0 or not 0.0 < self.timing_alpha <= 1.0:
             raise ValueError("alpha and timing_alpha must be in (0, 1]")
         if (self.explore_every < 1 or self.max_explore_every < self.explore_every
+                or self.probe_until_seen < 0
                 or self.warmup_steps < 0 or self.warmup_cost_ratio < 1.0 or self.min_gain < 0
                 or not 0.0 <= self.learn_margin < 1.0):
-            raise ValueError("explore_every >= 1, warmup_steps >= 0, warmup_cost_ratio >= 1, "
-                             "min_gain >= 0 and 0 <= learn_margin < 1 required")
+            raise ValueError("explore_every >= 1, probe_until_seen >= 0, warmup_steps >= 0, "
+                             "warmup_cost_ratio >= 1, min_gain >= 0 and 0 <= learn_margin < 1 "
+                             "required")
 
 
 def ladder_upto(max_nodes: int) -> list[int]:
@@ -163,6 +175,7 @@ class SpeculationController:
     _interval: int = 0
     _next_probe: int = 0
     _probed_from: int | None = None
+    _episode: int | None = None
     _last_used: int = -1
 
     def reset_acceptance(self) -> None:
@@ -175,6 +188,7 @@ class SpeculationController:
         self.fresh = 0
         self.steps = 0
         self._interval = 0
+        self._episode = None
 
     # ---- the decision ----------------------------------------------------------------------------
     def expected_accepted(self, n: int) -> float:
@@ -265,7 +279,18 @@ class SpeculationController:
                 self._probed_from = n
                 sizes = ladder_upto(max_nodes)
                 n = sizes[sizes.index(n) + 1]
-                self._interval = min(2 * self._interval, self.config.max_explore_every)
+                if self.config.probe_until_seen and n != self._episode:
+                    # a new probing episode for this size: its estimate is stale (last refreshed
+                    # before the choice fell below it, often by the very streak that made it
+                    # fall), so it counts as a quarter of an episode's probes against the fresh
+                    # ones (and an episode the choice leaves early keeps most of it)
+                    self._episode = n
+                    self.seen[n] = min(self.seen.get(n, 0), self.config.probe_until_seen // 4)
+                if self.seen.get(n, 0) >= self.config.probe_until_seen:
+                    self._interval = min(2 * self._interval, self.config.max_explore_every)
+                    self._episode = None
+                else:                                  # its estimate is not established yet
+                    self._interval = self.config.explore_every
                 self._next_probe = self.steps + self._interval
         self.last_choice = n
         return n

@@ -142,7 +142,7 @@ def test_controller_shrinks_the_tree_as_the_batch_grows():
 def test_controller_warmup_exploration_and_reset():
     cost = CostModel.from_function(lambda b, t: 0.02 * (1 + (t > 9) * t), GRID_B, GRID_T)
     ctrl = SpeculationController(cost, ControllerConfig(warmup_steps=2, explore_every=4,
-                                                        warmup_cost_ratio=2.0))
+                                                        warmup_cost_ratio=2.0, probe_until_seen=0))
     assert [ctrl.plan(1, 32) for _ in range(2)] == [8, 8]      # largest tree within 2x a plain step
     trained(ctrl, 1, [0], 8, draft_s=0.005)                    # a one-node step: 25 % dearer
     plans = [ctrl.plan(1, 32) for _ in range(20)]              # steps 3..22
@@ -151,6 +151,35 @@ def test_controller_warmup_exploration_and_reset():
     ctrl.reset_acceptance()
     assert ctrl.plan(1, 32) == 8 and not ctrl.acc
     assert ctrl.plan(1, 0) == 0                                # nothing to draft: always AR
+
+
+def test_probes_go_on_until_the_size_above_is_estimated_afresh():
+    """The interval between probes doubles only after a probe of a size this episode has seen
+    probe_until_seen row-steps of; the next episode weighs the stale estimate as a quarter of that,
+    so what the workload does now moves it at once (a 5 % step per probe would take several ever
+    rarer probes)."""
+    cost = CostModel.from_function(lambda b, t: 0.02 if t <= 2 else 0.0225, GRID_B, GRID_T)
+    ctrl = SpeculationController(cost, ControllerConfig(warmup_steps=0, explore_every=2,
+                                                        probe_until_seen=8))
+
+    def step(n, paths):
+        ctrl.record(1, n, paths, draft_s=0.005, verify_s=cost.verify_s(1, n + 1),
+                    tokens_per_row=n + 1, overhead_s=0.0)
+
+    step(1, [[1]])                  # node 1 is always accepted; node 2 from its 10th probe on
+    probes, plans = [], []
+    for s in range(1, 41):
+        n = ctrl.plan(1, 32)
+        plans.append(n)
+        probes += [s] if n == 2 else []
+        step(n, [[1, 2]] if n >= 2 and len(probes) >= 10 else [[1]])
+        if s == 19:
+            assert ctrl.seen[2] == 9 and ctrl.gain[2] == 0.0     # nine probes, all zero
+    # every 2 steps while the first episode lasts; its 9th probe (size 2 seen 8 times) doubles the
+    # interval; the next opens an episode in which the old zero counts as 2 probes: one probe
+    # that accepts node 2 lifts the increment to 1/3, past the 0.2 that pays for the dearer verify
+    assert probes[:10] == [3, 5, 7, 9, 11, 13, 15, 17, 19, 23]
+    assert min(plans[23:]) >= 2 and ctrl.gain[2] > 0.3
 
 
 def test_a_plain_choice_verifies_one_node_where_that_is_nearly_free():
