@@ -91,7 +91,8 @@ class ControllerConfig:
     probe_until_seen: int = 20
     """The interval doubles only after a probe of a size seen this many row-steps in the current
     *probing episode*; a probe after a back-off opens a new episode, in which the size's stale
-    estimate weighs as ``probe_until_seen // 4`` row-steps against the fresh probes. Without it, a
+    estimate weighs as (and counts towards this as) ``probe_until_seen // 4`` row-steps against the
+    fresh probes. Without it, a
     streak of zeros (acceptance comes in bursts) that made the choice fall below a size froze that
     size's estimate there, while the probes that could correct it (each moving it 5 %) grew
     exponentially rare. 0 = double after every probe. (Replayed on the chat set with the Zen 5's
