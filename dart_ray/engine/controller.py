@@ -34,8 +34,9 @@ the cut drops the columns no row uses). A size never verified is priced at its f
 **Exploration.** Sizes above the chosen one are only learned by trying them: every
 ``explore_every`` steps the controller verifies the next ladder size up (one rung, so a probe costs
 little even where big trees are dear); a probe that does not change the choice doubles the interval
-(up to ``max_explore_every``) once this probing episode has seen the size ``probe_until_seen``
-row-steps, one that does resets it; a new episode discounts the size's stale estimate. The first
+(up to ``max_explore_every``) once the size has ``probe_until_seen`` row-steps since the choice
+was last at or above it (a probing episode, whose first probe discounts the size's stale
+estimate), one that does resets it. The first
 steps (``warmup_steps``) use the largest tree whose verify costs at most ``warmup_cost_ratio`` plain
 steps, to learn acceptance at every smaller size.
 
@@ -90,14 +91,15 @@ class ControllerConfig:
     """Longest interval between probes (a workload that never rewards speculation pays ~nothing)."""
     probe_until_seen: int = 20
     """The interval doubles only after a probe of a size seen this many row-steps in the current
-    *probing episode*; a probe after a back-off opens a new episode, in which the size's stale
-    estimate weighs as (and counts towards this as) ``probe_until_seen // 4`` row-steps against the
-    fresh probes. Without it, a
+    *probing episode*: the probes of that size since the choice was last at or above it. Its first
+    probe weighs the size's stale estimate as (and counts it towards this as) ``probe_until_seen //
+    4`` row-steps against the fresh probes; once established, the interval doubles as before, so a
+    workload that never rewards the size still probes it ever more rarely. Without it, a
     streak of zeros (acceptance comes in bursts) that made the choice fall below a size froze that
     size's estimate there, while the probes that could correct it (each moving it 5 %) grew
     exponentially rare. 0 = double after every probe. (Replayed on the chat set with the Zen 5's
     prices over 12 prompt orders, `dart_ray/bench/replay.py`: 1.35x plain on average, 1.13x at
-    worst, against 1.41x / 1.39x with episodes; docs/BENCHMARKS.md.)"""
+    worst, against 1.40x / 1.29x with episodes; docs/BENCHMARKS.md.)"""
     warmup_steps: int = 4
     """Decode steps at the start (and after a knob change) that verify the warm-up tree."""
     warmup_cost_ratio: float = 2.0
@@ -273,6 +275,8 @@ class SpeculationController:
                 if n != self._probed_from:
                     self._interval = self.config.explore_every    # the last probe paid: probe often
                 self._probed_from = None
+            if self._episode is not None and n >= self._episode:
+                self._episode = None      # chosen now: refreshed every step, stale again if left
             if self._interval == 0:
                 self._interval = self.config.explore_every
                 self._next_probe = self.steps + self._interval
@@ -281,15 +285,14 @@ class SpeculationController:
                 sizes = ladder_upto(max_nodes)
                 n = sizes[sizes.index(n) + 1]
                 if self.config.probe_until_seen and n != self._episode:
-                    # a new probing episode for this size: its estimate is stale (last refreshed
-                    # before the choice fell below it, often by the very streak that made it
-                    # fall), so it counts as a quarter of an episode's probes against the fresh
-                    # ones (and an episode the choice leaves early keeps most of it)
+                    # the first probe of this size since the choice was at or above it: its
+                    # estimate is stale (last refreshed before the choice fell below it, often by
+                    # the very streak that made it fall), so it counts as a quarter of an episode's
+                    # probes against the fresh ones; the episode lasts until the choice reaches it
                     self._episode = n
                     self.seen[n] = min(self.seen.get(n, 0), self.config.probe_until_seen // 4)
                 if self.seen.get(n, 0) >= self.config.probe_until_seen:
                     self._interval = min(2 * self._interval, self.config.max_explore_every)
-                    self._episode = None
                 else:                                  # its estimate is not established yet
                     self._interval = self.config.explore_every
                 self._next_probe = self.steps + self._interval

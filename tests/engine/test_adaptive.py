@@ -153,33 +153,49 @@ def test_controller_warmup_exploration_and_reset():
     assert ctrl.plan(1, 0) == 0                                # nothing to draft: always AR
 
 
-def test_probes_go_on_until_the_size_above_is_estimated_afresh():
-    """The interval between probes doubles only after a probe of a size this episode has seen
-    probe_until_seen row-steps of; the next episode weighs the stale estimate as a quarter of that,
-    so what the workload does now moves it at once (a 5 % step per probe would take several ever
-    rarer probes)."""
+def test_a_size_the_choice_fell_below_is_probed_until_estimated_afresh():
+    """A streak of rejections left size 2's increment at 0 (60 row-steps) and the choice fell to 1;
+    then the workload changed and node 2 is always accepted. A probing episode weighs the stale
+    zero as 5 row-steps against fresh probes and probes every 16 steps until 20 are in: the
+    choice is back at 2 after two probes. Doubling after every probe (the rule before), each probe
+    moves the estimate 5 % and comes twice as late as the last: still at 1 after 300 steps."""
     cost = CostModel.from_function(lambda b, t: 0.02 if t <= 2 else 0.0225, GRID_B, GRID_T)
-    ctrl = SpeculationController(cost, ControllerConfig(warmup_steps=0, explore_every=2,
-                                                        probe_until_seen=8))
 
-    def step(n, paths):
-        ctrl.record(1, n, paths, draft_s=0.005, verify_s=cost.verify_s(1, n + 1),
-                    tokens_per_row=n + 1, overhead_s=0.0)
+    def run(cfg):
+        ctrl = SpeculationController(cost, cfg)
+        for _ in range(60):                                   # the streak: node 2 rejected
+            ctrl.record(1, 2, [[1]], draft_s=0.005, verify_s=0.0225, tokens_per_row=3,
+                        overhead_s=0.0)
+        plans = []
+        for _ in range(300):                                  # node 2 accepted from now on
+            n = ctrl.plan(1, 32)
+            plans.append(n)
+            ctrl.record(1, n, [[1, 2][:n]], draft_s=0.005, verify_s=cost.verify_s(1, n + 1),
+                        tokens_per_row=n + 1, overhead_s=0.0)
+        return plans
 
-    step(1, [[1]])                  # node 1 is always accepted; node 2 from its 10th probe on
-    probes, plans = [], []
-    for s in range(1, 41):
-        n = ctrl.plan(1, 32)
-        plans.append(n)
-        probes += [s] if n == 2 else []
-        step(n, [[1, 2]] if n >= 2 and len(probes) >= 10 else [[1]])
-        if s == 19:
-            assert ctrl.seen[2] == 9 and ctrl.gain[2] == 0.0     # nine probes, all zero
-    # every 2 steps while the first episode lasts; its 9th probe (size 2 seen 8 times) doubles the
-    # interval; the next opens an episode in which the old zero counts as 2 probes: one probe
-    # that accepts node 2 lifts the increment to 1/3, past the 0.2 that pays for the dearer verify
-    assert probes[:10] == [3, 5, 7, 9, 11, 13, 15, 17, 19, 23]
-    assert min(plans[23:]) >= 2 and ctrl.gain[2] > 0.3
+    episodes = run(ControllerConfig(warmup_steps=0))
+    assert episodes[:16] == [1] * 16 and episodes[16] == 2          # probe 1 (0 -> 1/6)
+    assert min(episodes[40:]) >= 2                                   # probe 2 (-> 0.29 > 0.2)
+    before = run(ControllerConfig(warmup_steps=0, probe_until_seen=0))
+    assert before[-1] == 1 and before.count(2) <= 5
+
+
+def test_probes_become_rare_where_speculation_never_pays():
+    """Once a probing episode has established the size above, the interval doubles up to
+    max_explore_every again: a workload that never rewards speculation pays ~nothing for probes."""
+    cost = CostModel.from_function(lambda b, t: 0.02 * t, GRID_B, GRID_T)
+    for B in (1, 16):
+        ctrl = SpeculationController(cost, ControllerConfig(warmup_steps=0))
+        ctrl.record(B, 1, [[]] * B, draft_s=0.005, verify_s=0.04, tokens_per_row=2,
+                    overhead_s=0.0)
+        probes = 0
+        for _ in range(5000):
+            n = ctrl.plan(B, 32)
+            probes += n > 0
+            ctrl.record(B, n, [[]] * B if n else [], draft_s=0.005 if n else 0.0,
+                        verify_s=cost.verify_s(B, n + 1), tokens_per_row=n + 1, overhead_s=0.0)
+        assert probes <= (40 if B == 1 else 20) and ctrl._interval == 512
 
 
 def test_a_plain_choice_verifies_one_node_where_that_is_nearly_free():
