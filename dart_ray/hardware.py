@@ -69,20 +69,13 @@ def cpu_model_and_flags() -> tuple[str, tuple[str, ...]]:
     return model, tuple(f for f in ISA_FLAGS if f in flags)
 
 
-def cpu_id() -> str:
+def cpu_id(cpuinfo: str | None = None) -> str:
     """The CPU's family and model numbers from ``/proc/cpuinfo`` (x86: ``"family 26 model 2"``;
-    Arm: ``"implementer 0x41 part 0xd40"``), '' where unknown. The model string does not tell CPU
-    generations apart in every guest: two KVM guests on Zen 4 and on Zen 5 both read "AMD EPYC" with
-    the same ISA flags, and their decode steps differ 2x (22 vs 10 ms for SmolLM2 in bf16)."""
-    return _cpu_id_of(_cpuinfo())
-
-
-def parse_cpu_id(text: str) -> str:
-    """:func:`cpu_id` from the text of a ``/proc/cpuinfo``."""
-    return _cpu_id_of(cpuinfo_fields(text))
-
-
-def _cpu_id_of(fields: dict[str, str]) -> str:
+    Arm: ``"implementer 0x41 part 0xd40"``), '' where unknown; ``cpuinfo``: that file's text
+    (default: this machine's). The model string does not tell CPU generations apart in every guest:
+    two KVM guests on Zen 4 and on Zen 5 both read "AMD EPYC" with the same ISA flags, and their
+    decode steps differ 2x (22 vs 10 ms for SmolLM2 in bf16)."""
+    fields = _cpuinfo() if cpuinfo is None else cpuinfo_fields(cpuinfo)
     if "cpu family" in fields and "model" in fields:
         return f"family {fields['cpu family']} model {fields['model']}"
     if "cpu implementer" in fields and "cpu part" in fields:

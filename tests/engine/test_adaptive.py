@@ -633,10 +633,10 @@ def test_fingerprint_tells_cpu_generations_with_one_model_string_apart():
     zen5 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
             "model name\t: AMD EPYC\nflags\t\t: avx2 avx512f avx512_bf16\n\n"
             "processor\t: 1\ncpu family\t: 99\n")
-    assert hardware.parse_cpu_id(zen5) == "family 26 model 2"
+    assert hardware.cpu_id(zen5) == "family 26 model 2"
     arm = "processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n"
-    assert hardware.parse_cpu_id(arm) == "implementer 0x41 part 0xd40"
-    assert hardware.parse_cpu_id("processor\t: 0\nmodel name\t: x\n") == ""
+    assert hardware.cpu_id(arm) == "implementer 0x41 part 0xd40"
+    assert hardware.cpu_id("processor\t: 0\nmodel name\t: x\n") == ""
     zen5_fp = Fingerprint("AMD EPYC", "AMD EPYC", ("avx2",), 2, "2.13.0", "bf16", "m",
                           cpu_id="family 26 model 2")
     zen4_fp = dataclasses.replace(zen5_fp, cpu_id="family 25 model 17")
