@@ -48,7 +48,7 @@ def main() -> None:
     import torch
 
     from dart_ray import DecodingConfig, EngineConfig
-    from dart_ray.bench.replay import Replay, simulate
+    from dart_ray.bench.replay import Replay, flat_prices, simulate
     from dart_ray.engine import Engine
     from dart_ray.engine.controller import ControllerConfig
     from dart_ray.engine.cost import CostModel
@@ -57,12 +57,8 @@ def main() -> None:
     eng = Engine.from_config(EngineConfig(method="dart", max_batch_size=1))
     cost = CostModel.from_dict(eng.controller.cost.to_dict())
     if a.flat_cost:
-        plain_s = cost.verify_s(1, 1)
-        cost = CostModel.from_function(lambda b, t: plain_s * (1 + (t - 1) / a.flat_cost),
-                                       cost.batches, cost.tokens)
-    z = np.load(a.replay, allow_pickle=True)
-    rep = Replay(vals=z["vals"], ids=z["ids"], seqs=list(z["seqs"]), seq_of=z["seq_of"],
-                 root_at=z["root_at"])
+        cost = flat_prices(cost, a.flat_cost)
+    rep = Replay.load(a.replay)
     dec = DecodingConfig()
     orders = [np.random.default_rng(s).permutation(len(rep.seqs)).tolist()
               for s in range(a.orders)]

@@ -21,8 +21,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60, 80)
 
 
@@ -80,7 +78,7 @@ def main() -> None:
     import torch
 
     from dart_ray import DecodingConfig, EngineConfig
-    from dart_ray.bench.replay import Replay, accepted_by_budget, collect, simulate
+    from dart_ray.bench.replay import Replay, accepted_by_budget, collect, flat_prices, simulate
     from dart_ray.engine import Engine
     from dart_ray.engine.cost import CostModel
 
@@ -90,9 +88,7 @@ def main() -> None:
     cost = CostModel.from_dict(eng.controller.cost.to_dict())
     cache = Path(a.cache) if a.cache else None
     if cache is not None and cache.is_file():
-        z = np.load(cache, allow_pickle=True)
-        rep = Replay(vals=z["vals"], ids=z["ids"], seqs=list(z["seqs"]), seq_of=z["seq_of"],
-                     root_at=z["root_at"])
+        rep = Replay.load(cache)
     else:
         prompts = load_set(a.set, a.limit)
         ids = [eng.encode_prompt(p, a.chat) for p in prompts]
@@ -101,16 +97,10 @@ def main() -> None:
         print(f"recorded {rep.num_positions} positions of {len(ids)} prompts in "
               f"{time.perf_counter() - t0:.1f} s")
         if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            seqs = np.empty(len(rep.seqs), dtype=object)
-            seqs[:] = rep.seqs
-            np.savez(cache, vals=rep.vals, ids=rep.ids, seqs=seqs, seq_of=rep.seq_of,
-                     root_at=rep.root_at)
+            rep.save(cache)
     ngram = eng.drafter.ngram
     if a.flat_cost:
-        plain_s = cost.verify_s(1, 1)
-        cost = CostModel.from_function(lambda b, t: plain_s * (1 + (t - 1) / a.flat_cost),
-                                       cost.batches, cost.tokens)
+        cost = flat_prices(cost, a.flat_cost)
     base = DecodingConfig()
     todo = variants(base)
     if a.only:

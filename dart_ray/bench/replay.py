@@ -25,15 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from dart_ray.config import DecodingConfig, SamplingParams
-from dart_ray.drafters.ngram import lookup_match
+from dart_ray.drafters.dart import build_tree, find_lookups, max_tree_nodes, ngram_context_len
 from dart_ray.masks import attention_mask, causal_ancestors
-from dart_ray.tree import TokenTree, Trie, merge_tries
-from dart_ray.tree.search import build_trees_from_candidates
+from dart_ray.tree import TokenTree, Trie
 
 
 @dataclass
@@ -74,6 +74,27 @@ class Replay:
     def text(self, i: int) -> np.ndarray:
         """Committed text + root of position ``i`` (what a prompt lookup searches)."""
         return self.seqs[int(self.seq_of[i])][:int(self.root_at[i]) + 1]
+
+    def lookups(self, decoding: DecodingConfig) -> list[tuple[list[list[int]], int]]:
+        """Per position: its prompt-lookup paths and the suffix length they match
+        (:func:`~dart_ray.drafters.dart.find_lookups`; none when ``lookup_paths`` is 0)."""
+        if not decoding.lookup_paths:
+            return [([], 0)] * self.num_positions
+        return [find_lookups(self.text(i), decoding) for i in range(self.num_positions)]
+
+    def save(self, path: str | Path) -> None:
+        """An ``.npz`` that :meth:`load` reads back."""
+        seqs = np.empty(len(self.seqs), dtype=object)
+        seqs[:] = self.seqs
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, vals=self.vals, ids=self.ids, seqs=seqs, seq_of=self.seq_of,
+                 root_at=self.root_at)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Replay:
+        z = np.load(path, allow_pickle=True)
+        return cls(vals=z["vals"], ids=z["ids"], seqs=list(z["seqs"]), seq_of=z["seq_of"],
+                   root_at=z["root_at"])
 
 
 @torch.inference_mode()
@@ -123,27 +144,22 @@ def collect(engine, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 1
                   root_at=np.asarray(root_at, np.int64))
 
 
-TreeBuilder = Callable[[Replay, np.ndarray, DecodingConfig, object], TokenTree]
-"""(replay, position indices, knobs, N-gram model) -> the trees of those positions, nodes in
-priority order."""
+TreeBuilder = Callable[[Replay, np.ndarray, DecodingConfig, object, list], TokenTree]
+"""(replay, position indices, knobs, N-gram model, those positions' :meth:`Replay.lookups`) ->
+the trees of those positions, nodes in priority order."""
 
 
-def dart_trees(replay: Replay, idx: np.ndarray, decoding: DecodingConfig, ngram) -> TokenTree:
-    """The trees ``DartDrafter.propose`` builds at positions ``idx``: the N-gram-pruned beam
-    search over the recorded candidates, led by the prompt-lookup paths (``lookup_paths``)."""
+def dart_trees(replay: Replay, idx: np.ndarray, decoding: DecodingConfig, ngram,
+               lookups: list) -> TokenTree:
+    """The trees ``DartDrafter.propose`` builds at positions ``idx``
+    (:func:`~dart_ray.drafters.dart.build_tree` over the recorded candidates)."""
     k = min(decoding.top_k, replay.vals.shape[2])
-    order = getattr(ngram, "order", 3)
-    ctx = replay.ngram_context(max(order - 2, 1))[idx]
     roots = torch.from_numpy(np.asarray([replay.text(i)[-1] for i in idx.tolist()]))
-    tree, _ = build_trees_from_candidates(roots, torch.from_numpy(replay.vals[idx, :, :k]),
-                                          torch.from_numpy(replay.ids[idx, :, :k]), decoding,
-                                          context=torch.from_numpy(ctx), ngram=ngram)
-    if decoding.lookup_paths:
-        tries = [Trie.of(lookup_match(replay.text(i), decoding.lookup_len, decoding.lookup_paths,
-                                      3, decoding.lookup_min_match)[0])
-                 for i in idx.tolist()]
-        tree = merge_tries(tree, tries)
-    return tree
+    ctx = replay.ngram_context(ngram_context_len(ngram))[idx]
+    tries = [Trie.of(paths) for paths, _ in lookups] if decoding.lookup_paths else None
+    return build_tree(roots, torch.from_numpy(replay.vals[idx, :, :k]),
+                      torch.from_numpy(replay.ids[idx, :, :k]), decoding, ngram,
+                      torch.from_numpy(ctx), tries)
 
 
 def accepted_paths(tree: TokenTree, future: np.ndarray) -> np.ndarray:
@@ -163,23 +179,39 @@ def accepted_paths(tree: TokenTree, future: np.ndarray) -> np.ndarray:
     return on
 
 
+def _walk(replay: Replay, decoding: DecodingConfig, ngram, build: TreeBuilder, idx_all: np.ndarray,
+          lookups: list, chunk: int = 1024):
+    """Per chunk of positions: (offset, the chunk's trees, [b, 1+N] nodes on the accepted path)."""
+    future = replay.future(max(decoding.draft_depth, decoding.lookup_len) + 1)
+    for c0 in range(0, len(idx_all), chunk):
+        idx = idx_all[c0:c0 + chunk]
+        tree = build(replay, idx, decoding, ngram, [lookups[i] for i in idx.tolist()])
+        yield c0, tree, accepted_paths(tree, future[idx])
+
+
 def accepted_by_budget(replay: Replay, decoding: DecodingConfig, ngram, sizes: Sequence[int],
-                       build: TreeBuilder = dart_trees, chunk: int = 1024,
+                       build: TreeBuilder = dart_trees,
                        positions: np.ndarray | None = None) -> dict[int, np.ndarray]:
     """Size ``m`` -> [N] accepted draft tokens per position with the tree cut to its first ``m``
     nodes (what the adaptive controller's budget-``m`` step verifies)."""
     idx_all = np.arange(replay.num_positions) if positions is None else np.asarray(positions)
-    future = replay.future(max(decoding.draft_depth, decoding.lookup_len) + 1)
     out = {m: np.zeros(len(idx_all), np.int64) for m in sizes}
-    for c0 in range(0, len(idx_all), chunk):
-        idx = idx_all[c0:c0 + chunk]
-        tree = build(replay, idx, decoding, ngram)
-        on = accepted_paths(tree, future[idx])                   # [b, 1+N]
-        node = np.arange(on.shape[1])[None, :]
+    for c0, _, on in _walk(replay, decoding, ngram, build, idx_all, replay.lookups(decoding)):
+        node = np.arange(1, on.shape[1])[None, :]
         for m in sizes:
             # a path's nodes increase in index, so the nodes within the first m are its prefix
-            out[m][c0:c0 + len(idx)] = (on[:, 1:] & (node[:, 1:] <= m)).sum(1)
+            out[m][c0:c0 + len(on)] = (on[:, 1:] & (node <= m)).sum(1)
     return out
+
+
+def flat_prices(cost, ratio: float):
+    """``cost``'s grid re-priced so a verify forward of ``T`` tokens per row costs ``1 + (T - 1) /
+    ratio`` of its plain step (``ratio`` ~ 60: an AMX Xeon's bf16 shape, docs/BENCHMARKS.md)."""
+    from dart_ray.engine.cost import CostModel
+
+    plain_s = cost.verify_s(1, 1)
+    return CostModel.from_function(lambda b, t: plain_s * (1 + (t - 1) / ratio), cost.batches,
+                                   cost.tokens)
 
 
 @dataclass
@@ -212,19 +244,14 @@ def simulate(replay: Replay, decoding: DecodingConfig, ngram, cost, *,
     from dart_ray.engine.controller import ContextualController, ControllerConfig
     from dart_ray.engine.cost import CostModel
 
-    n_max = decoding.tree_budget + (decoding.lookup_paths * decoding.lookup_len)
-    future = replay.future(max(decoding.draft_depth, decoding.lookup_len) + 1)
+    n_max = max_tree_nodes(decoding)
+    found = replay.lookups(decoding)
     paths: list[np.ndarray] = []
     widths: list[int] = []
-    for c0 in range(0, replay.num_positions, 1024):
-        idx = np.arange(c0, min(replay.num_positions, c0 + 1024))
-        tree = dart_trees(replay, idx, decoding, ngram)
-        on = accepted_paths(tree, future[idx])
+    for _, tree, on in _walk(replay, decoding, ngram, dart_trees,
+                             np.arange(replay.num_positions), found):
         paths.extend(np.nonzero(row[1:])[0] + 1 for row in on)
         widths.extend((tree.valid.numpy().sum(1) - 1).tolist())
-    found = [lookup_match(replay.text(i), decoding.lookup_len, decoding.lookup_paths, 3,
-                          decoding.lookup_min_match) if decoding.lookup_paths else ([], 0)
-             for i in range(replay.num_positions)]
     context = [k for _, k in found]
     trie_nodes = [len(Trie.of(conts).tokens) for conts, _ in found]
     drafting = draft_s if callable(draft_s) else (lambda n, ctx, lookup: draft_s)
@@ -234,8 +261,8 @@ def simulate(replay: Replay, decoding: DecodingConfig, ngram, cost, *,
     tokens = seconds = steps = 0.0
     sizes: dict[tuple[int, int], int] = {}
     for s in (range(len(replay.seqs)) if order is None else order):
-        at = {int(r): i for i, r in zip(np.nonzero(replay.seq_of == s)[0].tolist(),
-                                        replay.root_at[replay.seq_of == s].tolist(), strict=True)}
+        pos = np.nonzero(replay.seq_of == s)[0]
+        at = dict(zip(replay.root_at[pos].tolist(), pos.tolist(), strict=True))  # root -> position
         r = min(at, default=0)
         while r in at:
             i = at[r]

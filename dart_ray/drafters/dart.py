@@ -14,12 +14,47 @@ import time
 
 import torch
 
+from dart_ray.config import DecodingConfig
 from dart_ray.drafters.base import BatchView, Drafter, to_target_vocab
 from dart_ray.drafters.dart_model import DartModel
-from dart_ray.drafters.ngram import ViewLookups
+from dart_ray.drafters.ngram import ViewLookups, lookup_match
 from dart_ray.kv_cache import KVCache
 from dart_ray.masks import attention_mask
 from dart_ray.tree import TokenTree, Trie, merge_tries, pack_tries
+
+LOOKUP_MAX_MATCH = 3
+"""Longest text suffix (tokens) a prompt-lookup path continues."""
+
+
+def max_tree_nodes(decoding: DecodingConfig) -> int:
+    """Most draft nodes of a DART tree: the beam search's budget plus the lookup paths."""
+    return decoding.tree_budget + decoding.lookup_paths * decoding.lookup_len
+
+
+def find_lookups(seq, decoding: DecodingConfig) -> tuple[list[list[int]], int]:
+    """One row's prompt-lookup paths (continuations of ``seq``'s suffix found earlier in it) and
+    the suffix length matched: what :meth:`DartDrafter.propose` merges into that row's tree."""
+    return lookup_match(seq, decoding.lookup_len, decoding.lookup_paths, LOOKUP_MAX_MATCH,
+                        decoding.lookup_min_match)
+
+
+def ngram_context_len(ngram) -> int:
+    """Committed tokens before the root that the N-gram term reads (the root completes its
+    order - 1 context)."""
+    return max(getattr(ngram, "order", 3) - 2, 1)
+
+
+def build_tree(roots: torch.Tensor, cand_vals: torch.Tensor, cand_ids: torch.Tensor,
+               decoding: DecodingConfig, ngram, context: torch.Tensor,
+               tries: list[Trie] | None) -> TokenTree:
+    """DART's trees from each level's candidates (``[B, d, k]``): the N-gram-pruned beam search,
+    led by each row's lookup trie (None: no lookup paths); ``context`` [B, c] the committed tokens
+    before the roots (:func:`ngram_context_len`)."""
+    from dart_ray.tree.search import build_trees_from_candidates
+
+    tree, _ = build_trees_from_candidates(roots, cand_vals, cand_ids, decoding, context=context,
+                                          ngram=ngram)
+    return tree if tries is None else merge_tries(tree, tries)
 
 
 class DartDrafter(Drafter):
@@ -176,8 +211,6 @@ class DartDrafter(Drafter):
         return vals.float(), idx
 
     def propose(self, view: BatchView) -> TokenTree:
-        from dart_ray.tree.search import build_trees_from_candidates
-
         decoding = view.decoding
         t0 = time.perf_counter()
         draft_s = 0.0
@@ -201,16 +234,13 @@ class DartDrafter(Drafter):
             t1 = time.perf_counter()
             vals, ids = self.draft_candidates(view.batch_size, depth, decoding.top_k)
             draft_s = time.perf_counter() - t1
-            ctx = view.tail_context(max(getattr(self.ngram, "order", 3) - 2, 1))
-            tree, _ = build_trees_from_candidates(view.roots, vals, ids, decoding, context=ctx,
-                                                  ngram=self.ngram)
-            if tries is not None:
-                tree = merge_tries(tree, tries)
+            tree = build_tree(view.roots, vals, ids, decoding, self.ngram,
+                              view.tail_context(ngram_context_len(self.ngram)), tries)
         self.tree_time_s += time.perf_counter() - t0 - draft_s
         return tree
 
     def max_tree_nodes(self, decoding) -> int:
-        return decoding.tree_budget + decoding.lookup_paths * decoding.lookup_len
+        return max_tree_nodes(decoding)
 
     def context(self, view: BatchView) -> int:
         """With prompt-lookup paths on: the shortest suffix match over the rows (0: some row has
@@ -224,5 +254,5 @@ class DartDrafter(Drafter):
         """Per row: continuations of the text's suffix found earlier in the same sequence, and the
         suffix length matched."""
         decoding = view.decoding
-        return self.lookups.get(view, decoding.lookup_len, decoding.lookup_paths, max_match=3,
-                                min_match=decoding.lookup_min_match)
+        return self.lookups.get(view, decoding.lookup_len, decoding.lookup_paths,
+                                max_match=LOOKUP_MAX_MATCH, min_match=decoding.lookup_min_match)

@@ -119,11 +119,18 @@ def test_replay_acceptance_is_what_the_engine_accepted(tiny, observed, replay):
 
 
 def test_acceptance_never_falls_as_the_budget_grows(tiny, replay):
+    """...and the first m nodes of the full tree accept what the engine's budget-m step does: its
+    search runs with the budget-m knobs (``_first_nodes_knobs``) and is cut to m nodes."""
+    from dart_ray.engine.engine import _first_nodes_knobs
+
     sizes = [1, 2, 4, 8, 16, 24]
     acc = accepted_by_budget(replay, DECODING, None, sizes)
     for a, b in zip(sizes, sizes[1:], strict=False):
         assert (acc[a] <= acc[b]).all()
         assert (acc[a] <= a).all()
+    for m in sizes:
+        own = accepted_by_budget(replay, _first_nodes_knobs(DECODING, m), None, [m])[m]
+        assert (own == acc[m]).all(), m
 
 
 def test_accepted_paths_follow_parents_and_depths():
