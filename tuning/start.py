@@ -94,6 +94,9 @@ def init_ray(s: TuneSettings) -> bool:
             kw["num_cpus"] = s.ray_num_cpus
         if s.ray_temp_dir:
             kw["_temp_dir"] = s.ray_temp_dir
+        # trials time decoding: at Ray's default nice 15 any nice-0 process on the node would
+        # take their CPU first
+        kw["_system_config"] = {"worker_niceness": 0}
     # CPU trials measure throughput: run them under the allocator serving uses (~25 % apart)
     alloc = actor_allocator_env(device=s.engine.device)
     if alloc:

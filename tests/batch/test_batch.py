@@ -7,6 +7,7 @@ tests at the end of the module.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from batch import (
     OutputStore,
     run_batch_job,
 )
+from batch.job import LOCAL_RAY_SYSTEM_CONFIG
 from batch.store import CorruptPartError, OutputBusyError
 from dart_ray import (
     DecodingConfig,
@@ -354,7 +356,8 @@ def ray_local():
     import ray
 
     tmp = tempfile.mkdtemp(prefix="drb", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp)
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp,
+             _system_config=dict(LOCAL_RAY_SYSTEM_CONFIG))   # the Ray the job would start
     yield ray
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -498,3 +501,27 @@ def test_cpu_engine_actors_start_under_the_fast_allocator(monkeypatch):
     assert engine_actor_options(EngineConfig(method="ngram", device="cuda")) == {}
     monkeypatch.setenv("DART_RAY_ALLOCATOR", "system")
     assert engine_actor_options(EngineConfig(method="ngram")) == {}
+
+
+def test_a_ray_the_job_starts_runs_its_actors_unniced(monkeypatch):
+    """A local Ray the job starts itself runs its workers at nice 0 (Ray's default 15 let two busy
+    loops on the node keep the engine actors from starting for minutes); a cluster given by
+    address, or a Ray already up, is left as it is."""
+    import ray
+
+    from batch.cli import ray_init_kwargs
+    from batch.job import init_ray
+
+    seen = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(kw))
+    args = argparse.Namespace(address=None, num_cpus=2, ray_temp_dir=None)
+    assert init_ray(ray_init_kwargs(args)) is True
+    assert seen[-1]["_system_config"] == {"worker_niceness": 0} and seen[-1]["num_cpus"] == 2
+    init_ray(None)
+    assert seen[-1] == {"_system_config": {"worker_niceness": 0}}
+    args.address = "auto"
+    init_ray(ray_init_kwargs(args))
+    assert seen[-1]["address"] == "auto" and "_system_config" not in seen[-1]
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert init_ray({}) is False and len(seen) == 3

@@ -44,6 +44,11 @@ NODE_CPUS = 2
 actor (0.5) on one node, so the survivor of a node loss can take over the lost work."""
 HEALTH_CHECK = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
                 "health_check_failure_threshold": 3, "health_check_timeout_ms": 1000}
+SYSTEM_CONFIG = {**HEALTH_CHECK, "worker_niceness": 0}
+"""The cluster's Ray config. Ray starts its workers at nice 15; on a shared 2-core runner any
+process at nice 0 beside them (seen: two busy loops) then starves them, and the batch job's actors
+sat in PENDING_CREATION for over 60 s -- its stall guard fired before any batch ran. These tests
+time failure handling, not scheduling priority, so workers run at the same priority as the rest."""
 
 DETECT_BOUND_S = 20.0
 """Node declared dead: configured at ~4 s (3 missed 1 s checks + 1 s timeout); x5 for a loaded
@@ -102,7 +107,7 @@ class LocalCluster:
         self.nodes: dict = {}
         self.cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 0, "include_dashboard": False, "temp_dir": os.path.join(self.tmp, "ray"),
-            "_system_config": HEALTH_CHECK})
+            "_system_config": SYSTEM_CONFIG})
         ray.init(address=self.cluster.address, log_to_driver=False)
 
     def add(self, name: str):
@@ -186,15 +191,17 @@ def replicas(app: str) -> list[dict]:
     return actors(f"ServeReplica:{app}:DartRayServer")
 
 
-def wait_for(cond, bound: float, what: str, step: float = 0.25):
-    """Poll ``cond()`` until truthy (returns it and the seconds waited) or fail after ``bound``."""
+def wait_for(cond, bound: float, what: str, step: float = 0.25, state=None):
+    """Poll ``cond()`` until truthy (returns it and the seconds waited) or fail after ``bound``;
+    the failure shows ``state()`` (what the wait saw last), if given."""
     t0 = time.monotonic()
     while True:
         v = cond()
         if v:
             return v, time.monotonic() - t0
         if time.monotonic() - t0 > bound:
-            pytest.fail(f"{what}: not within {bound:.0f} s")
+            pytest.fail(f"{what}: not within {bound:.0f} s"
+                        + (f"; last seen: {state()}" if state is not None else ""))
         time.sleep(step)
 
 
@@ -667,6 +674,12 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
         committed = {p.stem.removeprefix("part-") for p in store.part_paths()}
         return len(started - committed)
 
+    def job_state() -> str:
+        workers = [(a["state"], cluster.name_of(a["node"]))
+                   for a in actors("_PartWriter", state=None)]
+        return (f"writer actors {workers}, parts {len(store.part_paths())}, in flight "
+                f"{in_flight()}, job {'running' if runner.is_alive() else result}")
+
     t0 = time.monotonic()
     runner = threading.Thread(target=job, daemon=True)
     runner.start()
@@ -675,7 +688,7 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
     # and a batch that was only queued to it is not a retry (nothing had started it)
     wait_for(lambda: len({a["node"] for a in actors("_PartWriter")}) == 2
                      and len(store.part_paths()) >= 4 and in_flight() >= 2,
-             JOB_BOUND_S / 2, "the job running on both nodes, each mid-batch")
+             JOB_BOUND_S / 2, "the job running on both nodes, each mid-batch", state=job_state)
     victim = cluster.name_of(actors("_PartWriter")[0]["node"])
     parts_at_kill = len(store.part_paths())
     assert parts_at_kill < n // cfg.batch_size, "the job finished before the node was lost"

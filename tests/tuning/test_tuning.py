@@ -404,9 +404,13 @@ def test_init_ray_gives_cpu_trials_the_fast_allocator(tmp_path, monkeypatch):
     assert init_ray(s) is True
     want = actor_allocator_env()
     assert seen[-1].get("runtime_env") == ({"env_vars": want} if want else None)
+    assert seen[-1]["_system_config"] == {"worker_niceness": 0}   # trials not niced below others
     s.engine = EngineConfig(device="cuda")
     init_ray(s)
     assert "runtime_env" not in seen[-1]
+    s.ray_address = "ray://head:10001"              # someone else's cluster: its settings stand
+    init_ray(s)
+    assert seen[-1]["address"] == s.ray_address and "_system_config" not in seen[-1]
 
 
 def test_a_study_recorded_before_cpu_id_resumes_on_the_same_machine(tmp_path):
