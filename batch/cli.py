@@ -54,7 +54,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     r.add_argument("--num-cpus-per-actor", type=float, default=None,
                    help="default: (cluster CPUs - 1) / concurrency")
     r.add_argument("--address", default=None,
-                   help="Ray cluster to join (default: start a local one)")
+                   help="Ray cluster to join (default: RAY_ADDRESS if set, else a new local Ray)")
     r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray instance")
     r.add_argument("--ray-temp-dir", default=None)
     r.add_argument("--stall-timeout", type=float, default=900.0,

@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 from batch.generator import OUTPUT_SCHEMA, BatchStats, DartGenerator
 from batch.store import OutputStore, id_report, retry_report
 from batch.watchdog import PipelineStalled, consume
-from dart_ray import EngineConfig, SamplingParams, actor_allocator_env, load_profile
+from dart_ray import EngineConfig, SamplingParams, actor_allocator_env, init_ray, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +61,6 @@ ROW_NUMBER = "row_number"
 
 READ_CPUS = 0.25
 """CPUs declared by the read/prepare tasks (Ray's file listing still takes one whole CPU)."""
-
-LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
-"""Ray config of a Ray the job starts itself: its engine actors are the work, so they run at the
-driver's priority (Ray's default of nice 15 let any nice-0 process on the node starve them: actors
-stuck starting for minutes while two busy loops ran beside them, as the serve launcher found)."""
-
 
 MANIFEST_EXCLUDES = ("num_threads", "max_batch_size")
 """Engine settings a resumed run may change: threads follow the actors' CPUs, and the rows decoded
@@ -410,20 +404,6 @@ def _unfinished_attempts(store: OutputStore, id_column: str,
     return pc.filter(started, pc.invert(pc.is_in(started, value_set=done)))
 
 
-def init_ray(ray_init: dict | None = None) -> bool:
-    """``ray.init(**ray_init)`` unless Ray is up in this process (returns whether it started one);
-    a new local Ray gets :data:`LOCAL_RAY_SYSTEM_CONFIG` unless ``ray_init`` sets its own."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    kw = dict(ray_init or {})
-    if "address" not in kw:
-        kw.setdefault("_system_config", dict(LOCAL_RAY_SYSTEM_CONFIG))  # ray.init adds to it
-    ray.init(**kw)
-    return True
-
-
 def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa.Array | None,
                   remaining: int, profile: dict | None, summary: JobSummary,
                   ray_init: dict | None) -> None:
@@ -432,7 +412,7 @@ def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa
     import ray
     import ray.data
 
-    init_ray(ray_init)
+    init_ray(**(ray_init or {}))    # a Ray started here: workers not niced below others
     total = ray.cluster_resources().get("CPU", 1.0)
     cpus = cfg.num_cpus_per_actor
     if cpus is None:

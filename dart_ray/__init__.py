@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from dart_ray.allocator import actor_allocator_env, allocator_in_use, fast_allocator_env
 from dart_ray.config import METHODS, DecodingConfig, EngineConfig, SamplingParams
 from dart_ray.profiles import DecodingSchedule, load_profile, save_profile
+from dart_ray.ray_local import init_ray
 
 if TYPE_CHECKING:
     from dart_ray.engine import (
@@ -42,7 +43,7 @@ __all__ = [
     "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats",
     "Completion", "RequestOutput", "RequestStats", "PromptTooLongError", "DecodingSchedule",
     "load_profile", "save_profile", "encode_prompt", "fast_allocator_env", "actor_allocator_env",
-    "allocator_in_use",
+    "allocator_in_use", "init_ray",
     "__version__",
 ]
 

@@ -74,8 +74,10 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None,
 
     if ray_auth is not None:
         os.environ["RAY_AUTH_MODE"] = "token" if ray_auth else "disabled"
-    kw: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": node_ip_address,
-                          **init_kw}
+    # "local": a new Ray even where `ray start` left a cluster on this host, which a bare
+    # ray.init() would join (and then refuse these settings with an error about joining)
+    kw: dict[str, Any] = {"address": "local", "include_dashboard": False,
+                          "_node_ip_address": node_ip_address, **init_kw}
     if num_cpus is not None:
         kw["num_cpus"] = num_cpus
     if temp_dir:

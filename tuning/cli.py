@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: 1 if --device cuda*, else 0")
     r.add_argument("--max-concurrent-trials", type=int, default=1)
     r.add_argument("--ray-address", default=None,
-                   help="join a running Ray cluster (default: start one)")
+                   help="join a running Ray cluster (default: RAY_ADDRESS if set, else a new "
+                        "local Ray)")
     r.add_argument("--ray-temp-dir", default=None, help="Ray session dir when starting Ray")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true")

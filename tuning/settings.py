@@ -97,7 +97,7 @@ class TuneSettings:
     plots: bool = True
     """Write PNG plots next to the profile."""
     ray_address: str | None = None
-    """Join a running Ray cluster (default: start one)."""
+    """Join a running Ray cluster (default: ``RAY_ADDRESS`` if set, else a new local Ray)."""
     ray_temp_dir: str | None = None
     """Ray session dir when starting Ray."""
     ray_num_cpus: int | None = None

@@ -21,6 +21,7 @@ from dart_ray import (
     actor_allocator_env,
     load_profile,
 )
+from dart_ray import init_ray as start_ray
 from tuning.report import short_number
 from tuning.settings import TuneSettings
 from tuning.space import SearchSpace
@@ -94,15 +95,12 @@ def init_ray(s: TuneSettings) -> bool:
             kw["num_cpus"] = s.ray_num_cpus
         if s.ray_temp_dir:
             kw["_temp_dir"] = s.ray_temp_dir
-        # trials time decoding: at Ray's default nice 15 any nice-0 process on the node would
-        # take their CPU first
-        kw["_system_config"] = {"worker_niceness": 0}
     # CPU trials measure throughput: run them under the allocator serving uses (~25 % apart)
     alloc = actor_allocator_env(device=s.engine.device)
     if alloc:
         kw["runtime_env"] = {"env_vars": alloc}
-    ray.init(**kw)
-    return True
+    # trials time decoding: a Ray started here runs them at this command's priority, not nice 15
+    return start_ray(**kw)
 
 
 def load_warm_start(s: TuneSettings) -> DecodingSchedule | None:

@@ -7,7 +7,6 @@ tests at the end of the module.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -33,7 +32,6 @@ from batch import (
     OutputStore,
     run_batch_job,
 )
-from batch.job import LOCAL_RAY_SYSTEM_CONFIG
 from batch.store import CorruptPartError, OutputBusyError
 from dart_ray import (
     DecodingConfig,
@@ -355,12 +353,22 @@ def test_killed_job_resumes_with_every_id_exactly_once(tmp_path, tiny_model, ref
 def ray_local():
     import ray
 
+    from dart_ray import init_ray
+
     tmp = tempfile.mkdtemp(prefix="drb", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp,
-             _system_config=dict(LOCAL_RAY_SYSTEM_CONFIG))   # the Ray the job would start
+    assert init_ray(num_cpus=2, include_dashboard=False, _temp_dir=tmp)  # as the job starts one
     yield ray
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_jobs_own_ray_runs_workers_at_the_drivers_priority(ray_local):
+    """Ray's workers start at nice 15 unless told; the Ray a job starts runs them unniced."""
+    @ray_local.remote(num_cpus=0)
+    def nice() -> int:
+        return os.nice(0)
+
+    assert ray_local.get(nice.remote()) == os.nice(0) == 0
 
 
 def test_jsonl_without_id_column_two_actors(tmp_path, engine_config, ref_engine, ray_local):
@@ -501,27 +509,3 @@ def test_cpu_engine_actors_start_under_the_fast_allocator(monkeypatch):
     assert engine_actor_options(EngineConfig(method="ngram", device="cuda")) == {}
     monkeypatch.setenv("DART_RAY_ALLOCATOR", "system")
     assert engine_actor_options(EngineConfig(method="ngram")) == {}
-
-
-def test_a_ray_the_job_starts_runs_its_actors_unniced(monkeypatch):
-    """A local Ray the job starts itself runs its workers at nice 0 (Ray's default 15 let two busy
-    loops on the node keep the engine actors from starting for minutes); a cluster given by
-    address, or a Ray already up, is left as it is."""
-    import ray
-
-    from batch.cli import ray_init_kwargs
-    from batch.job import init_ray
-
-    seen = []
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(kw))
-    args = argparse.Namespace(address=None, num_cpus=2, ray_temp_dir=None)
-    assert init_ray(ray_init_kwargs(args)) is True
-    assert seen[-1]["_system_config"] == {"worker_niceness": 0} and seen[-1]["num_cpus"] == 2
-    init_ray(None)
-    assert seen[-1] == {"_system_config": {"worker_niceness": 0}}
-    args.address = "auto"
-    init_ray(ray_init_kwargs(args))
-    assert seen[-1]["address"] == "auto" and "_system_config" not in seen[-1]
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    assert init_ray({}) is False and len(seen) == 3

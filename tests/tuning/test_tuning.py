@@ -398,7 +398,7 @@ def test_init_ray_gives_cpu_trials_the_fast_allocator(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.append(kw))
-    for k in ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES", "DART_RAY_ALLOCATOR"):
+    for k in ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES", "DART_RAY_ALLOCATOR", "RAY_ADDRESS"):
         monkeypatch.delenv(k, raising=False)
     s = TuneSettings(prompts="p.jsonl", workload="w", out=str(tmp_path / "w.yaml"))
     assert init_ray(s) is True
