@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from dart_ray.allocator import actor_allocator_env, allocator_in_use, fast_allocator_env
 from dart_ray.config import METHODS, DecodingConfig, EngineConfig, SamplingParams
 from dart_ray.profiles import DecodingSchedule, load_profile, save_profile
-from dart_ray.ray_local import init_ray
+from dart_ray.ray_local import init_ray, joins_cluster, local_ray_config
 
 if TYPE_CHECKING:
     from dart_ray.engine import (
@@ -43,7 +43,7 @@ __all__ = [
     "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats",
     "Completion", "RequestOutput", "RequestStats", "PromptTooLongError", "DecodingSchedule",
     "load_profile", "save_profile", "encode_prompt", "fast_allocator_env", "actor_allocator_env",
-    "allocator_in_use", "init_ray",
+    "allocator_in_use", "init_ray", "joins_cluster", "local_ray_config",
     "__version__",
 ]
 

@@ -26,10 +26,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from dart_ray import joins_cluster, local_ray_config
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_default.yaml"
 LOOPBACK = "127.0.0.1"
-WORKER_NICENESS = 0
-"""Nice value of the workers of a Ray started here (Ray's own default is 15)."""
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +63,14 @@ def _keep_loopback_node_ip(node_ip_address: str):
 
 def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None,
                     node_ip_address: str = LOOPBACK, ray_auth: bool | None = None,
-                    worker_niceness: int | None = WORKER_NICENESS, **init_kw: Any):
+                    niced_workers: bool = False, **init_kw: Any):
     """``ray.init`` of a new local cluster, closed to the network (see the module docstring).
 
     ``ray_auth``: None = Ray's default (token auth unless ``RAY_AUTH_MODE`` says otherwise), False
     = disable it (``RAY_AUTH_MODE=disabled`` for this process and its children), True = require it.
     Raises RuntimeError (after shutting that Ray down) if Ray did not take the loopback address.
+    Its workers run at this process's priority (``dart_ray.local_ray_config``) unless
+    ``niced_workers`` (Ray's own default, 15 lower).
     """
     import ray
 
@@ -83,8 +85,11 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None,
     if temp_dir:
         Path(temp_dir).mkdir(parents=True, exist_ok=True)
         kw["_temp_dir"] = str(Path(temp_dir).resolve())
-    if worker_niceness is not None:
-        kw["_system_config"] = {"worker_niceness": worker_niceness, **kw.get("_system_config", {})}
+    if not niced_workers:
+        kw["_system_config"] = local_ray_config(**kw.get("_system_config", {}))
+    if joins_cluster(None):
+        logger.warning("RAY_ADDRESS=%s is ignored: this starts its own local Ray (pass --address "
+                       "to deploy on that cluster)", os.environ["RAY_ADDRESS"])
     with _keep_loopback_node_ip(node_ip_address):
         ctx = ray.init(**kw)
     got = ray.util.get_node_ip_address()

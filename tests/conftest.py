@@ -165,8 +165,9 @@ def local_ray(prefix: str):
         yield
         return
     tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")           # short: Ray's socket paths must fit
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
-             _system_config={"worker_niceness": 0})  # as the Rays dart-ray starts; see test_cluster
+    from dart_ray import init_ray
+
+    init_ray(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING")
     try:
         yield
     finally:

@@ -60,7 +60,14 @@ from tuning.settings import (
     WARM_TRIALS,
     TuneSettings,
 )
-from tuning.start import Deadline, TuneRun, init_ray, load_warm_start, start_tune, warm_points
+from tuning.start import (
+    Deadline,
+    TuneRun,
+    load_warm_start,
+    start_tune,
+    start_tune_ray,
+    warm_points,
+)
 from tuning.write import TuneOutcome, write_outcome
 
 __all__ = ["DEFAULT_TRIALS", "MAX_BATCH_BOUND", "TUNABLE_METHODS", "WARM_TRIALS", "BatchResult",
@@ -76,7 +83,7 @@ def run_tune(s: TuneSettings, callbacks: Sequence = (),
     deadline = Deadline(s.time_budget_s)
     prompts = load_prompts(s.prompts)  # a missing prompt file or profile fails before Ray starts
     warm = load_warm_start(s)
-    started_ray = init_ray(s)
+    started_ray = start_tune_ray(s)
     try:
         run = start_tune(s, deadline, log, prompts, warm)
         results = search(run, callbacks)

@@ -19,9 +19,9 @@ from dart_ray import (
     EngineConfig,
     SamplingParams,
     actor_allocator_env,
+    init_ray,
     load_profile,
 )
-from dart_ray import init_ray as start_ray
 from tuning.report import short_number
 from tuning.settings import TuneSettings
 from tuning.space import SearchSpace
@@ -81,12 +81,9 @@ def split_prompts(prompts: list[str], n: int, eval_fraction: float,
     return chosen[n_eval:], chosen[:n_eval]
 
 
-def init_ray(s: TuneSettings) -> bool:
-    """Start (or join) Ray; True if this call started it (and should shut it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
+def start_tune_ray(s: TuneSettings) -> bool:
+    """Start or join Ray as ``s`` says (:func:`dart_ray.init_ray`); True if this call did (and
+    should shut it down), False if Ray was up already."""
     kw: dict = {"include_dashboard": False, "logging_level": "WARNING"}
     if s.ray_address:
         kw["address"] = s.ray_address
@@ -99,8 +96,8 @@ def init_ray(s: TuneSettings) -> bool:
     alloc = actor_allocator_env(device=s.engine.device)
     if alloc:
         kw["runtime_env"] = {"env_vars": alloc}
-    # trials time decoding: a Ray started here runs them at this command's priority, not nice 15
-    return start_ray(**kw)
+    # trials time decoding: a Ray started here runs them at this command's priority, not 15 lower
+    return init_ray(**kw)
 
 
 def load_warm_start(s: TuneSettings) -> DecodingSchedule | None:

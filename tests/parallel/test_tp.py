@@ -291,8 +291,9 @@ def test_ray_tp2_equals_tp1(tiny_tp_dir):
     cfg = tp_config(tiny_tp_dir, "dart")
     ref = reference(cfg)
     tmp = tempfile.mkdtemp(prefix="drtp-", dir="/tmp")  # short: Ray's socket paths must fit
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             _system_config={"worker_niceness": 0})   # as the Rays dart-ray starts
+    from dart_ray import init_ray
+
+    init_ray(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
     try:
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         opts = placement_options(2, "cpu", 0.5)

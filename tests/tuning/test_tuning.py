@@ -386,14 +386,14 @@ def test_batch_sizes_are_searched_cheapest_trial_first(tmp_path):
     assert search_order(run) == [1, 4, 16]
 
 
-def test_init_ray_gives_cpu_trials_the_fast_allocator(tmp_path, monkeypatch):
+def test_tune_ray_gives_cpu_trials_the_fast_allocator(tmp_path, monkeypatch):
     """CPU trials measure throughput under the allocator serving uses (a process-start setting
     passed as the job's runtime_env); a CUDA tuning run is left as it is."""
     import ray
 
     from dart_ray import actor_allocator_env
     from tuning.runner import TuneSettings
-    from tuning.start import init_ray
+    from tuning.start import start_tune_ray
 
     seen = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -401,15 +401,15 @@ def test_init_ray_gives_cpu_trials_the_fast_allocator(tmp_path, monkeypatch):
     for k in ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES", "DART_RAY_ALLOCATOR", "RAY_ADDRESS"):
         monkeypatch.delenv(k, raising=False)
     s = TuneSettings(prompts="p.jsonl", workload="w", out=str(tmp_path / "w.yaml"))
-    assert init_ray(s) is True
+    assert start_tune_ray(s) is True
     want = actor_allocator_env()
     assert seen[-1].get("runtime_env") == ({"env_vars": want} if want else None)
     assert seen[-1]["_system_config"] == {"worker_niceness": 0}   # trials not niced below others
     s.engine = EngineConfig(device="cuda")
-    init_ray(s)
+    start_tune_ray(s)
     assert "runtime_env" not in seen[-1]
     s.ray_address = "ray://head:10001"              # someone else's cluster: its settings stand
-    init_ray(s)
+    start_tune_ray(s)
     assert seen[-1]["address"] == s.ray_address and "_system_config" not in seen[-1]
 
 
