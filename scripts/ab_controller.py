@@ -6,7 +6,9 @@ order), so machine drift hits both alike: as shipped, and with a suffix:
 * ``0``: every step in one context, no hindsight (the controller before both),
 * ``1``: contexts and hindsight, without the "running" half of the context,
 * ``o``: probes that back off after every probe (``probe_until_seen=0``, the controller before
-  probing episodes; 2026-12-07, twentieth sitting).
+  probing episodes; 2026-12-07, twentieth sitting),
+* ``L``: the context from every row's prompt lookups, as before the context stopped at the first
+  row without a match (twenty-first sitting).
 
 Prints and writes median tok/s over prompts, total tok/s, tau, the time split and each
 controller's final estimates per context.
@@ -14,14 +16,26 @@ controller's final estimates per context.
     python scripts/ab_controller.py humaneval 24 out.json      # ar,ngram,ngram0,dart,dart0
     python scripts/ab_controller.py chat 24 out.json ar,ngram,ngram1,dart,dart1
     python scripts/ab_controller.py chat 40 out.json ar,dart,darto,ngram,ngramo
+    python scripts/ab_controller.py chat 48 out.json ar,dart,darto 16   # static batches of 16
+
+With a batch size (5th argument) every method runs the same static batches of consecutive prompts,
+interleaved per batch, and the medians are over batches (tok/s of the batch's tokens).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
 import time
+
+
+def _every_row_context(drafter, view) -> int:
+    """The shortest suffix match, from every row's lookups (variant ``L``)."""
+    if not view.decoding.lookup_paths:
+        return 0
+    return min((k for _, k in drafter._lookups(view)), default=0)
 
 
 def main() -> None:
@@ -39,17 +53,20 @@ def main() -> None:
     which, limit, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     methods = (sys.argv[4].split(",") if len(sys.argv) > 4
                else ["ar", "ngram", "ngram0", "dart", "dart0"])
+    bs = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     torch.set_num_threads(2)
     dtype = resolve_dtype("auto", "cpu").dtype
     target = load_target(None, dtype, "cpu", max_seq_len=2048)
     engines = {}
     for m in methods:
-        base = m.rstrip("01o")
-        cfg = EngineConfig(method={"ar": "none"}.get(base, base), dtype=dtype, max_batch_size=1,
+        base = m.rstrip("01oL")
+        cfg = EngineConfig(method={"ar": "none"}.get(base, base), dtype=dtype, max_batch_size=bs,
                            max_seq_len=2048)
         e = Engine(target, make_drafter(cfg, target), cfg)
         if m.endswith("o"):                     # before any context's controller exists
             e.controller.config = ControllerConfig(probe_until_seen=0)
+        if m.endswith("L"):                     # the context before: every row's lookups
+            e.drafter.context = functools.partial(_every_row_context, e.drafter)
         if m.endswith("1"):
             e.hindsight.running = lambda rid: False
         if m.endswith("0"):
@@ -67,17 +84,19 @@ def main() -> None:
     toks = dict.fromkeys(methods, 0)
     secs = dict.fromkeys(methods, 0.0)
     outs = {m: [] for m in methods}
-    for i, p in enumerate(ids):
+    for i, start in enumerate(range(0, len(ids), bs)):
+        group = ids[start:start + bs]
         for m in methods[i % len(methods):] + methods[:i % len(methods)]:
             t0 = time.perf_counter()
-            o = engines[m].generate([p], params)[0].token_ids
+            o = [c.token_ids for c in engines[m].generate(group, params)]
             dt = time.perf_counter() - t0
-            rates[m].append(len(o) / dt)
-            toks[m] += len(o)
+            n = sum(len(x) for x in o)
+            rates[m].append(n / dt)
+            toks[m] += n
             secs[m] += dt
-            outs[m].append(o)
+            outs[m].extend(o)
     ar = statistics.median(rates["ar"]) if "ar" in rates else None
-    rep = {"which": which, "n": len(ids), "dtype": str(dtype), "methods": {}}
+    rep = {"which": which, "n": len(ids), "batch_size": bs, "dtype": str(dtype), "methods": {}}
     for m in methods:
         st, med, ctl = engines[m].stats(), statistics.median(rates[m]), engines[m].controller
         rep["methods"][m] = {

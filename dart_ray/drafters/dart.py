@@ -248,11 +248,14 @@ class DartDrafter(Drafter):
         so it also skips the drafter forward: its acceptance and its cost both differ."""
         if not view.decoding.lookup_paths:
             return 0
-        return min((k for _, k in self._lookups(view)), default=0)
+        return self.lookups.shortest_match(view, *self._knobs(view))
+
+    @staticmethod
+    def _knobs(view: BatchView) -> tuple[int, int, int, int]:
+        d = view.decoding
+        return d.lookup_len, d.lookup_paths, LOOKUP_MAX_MATCH, d.lookup_min_match
 
     def _lookups(self, view: BatchView) -> list[tuple[list[list[int]], int]]:
         """Per row: continuations of the text's suffix found earlier in the same sequence, and the
         suffix length matched."""
-        decoding = view.decoding
-        return self.lookups.get(view, decoding.lookup_len, decoding.lookup_paths,
-                                max_match=LOOKUP_MAX_MATCH, min_match=decoding.lookup_min_match)
+        return self.lookups.get(view, *self._knobs(view))

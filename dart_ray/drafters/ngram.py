@@ -52,27 +52,51 @@ def lookup_match(seq: np.ndarray, depth: int, max_cands: int, max_match: int = 3
 
 
 class ViewLookups:
-    """Prompt lookups of one step, computed once: a drafter's :meth:`~Drafter.context` finds them
-    (their match lengths are the step's context) before the controller plans the step, and its
-    ``propose`` reuses them. Keyed on the :class:`BatchView` object and the search knobs."""
+    """Prompt lookups of one step, each row's computed at most once: a drafter's
+    :meth:`~Drafter.context` needs only their shortest match length (the step's context) before
+    the controller plans the step, and stops at the first row without a match; ``propose``, if
+    the step speculates, reuses the rows found and searches the rest. Keyed on the
+    :class:`BatchView` object and the search knobs."""
 
     def __init__(self) -> None:
         self._view: BatchView | None = None
         self._key: tuple[int, int, int, int] | None = None
-        self._found: list[tuple[list[list[int]], int]] = []
+        self._found: list[tuple[list[list[int]], int] | None] = []
+        self._seqs: list[np.ndarray] = []
+
+    def _row(self, view: BatchView, key: tuple[int, int, int, int],
+             b: int) -> tuple[list[list[int]], int]:
+        if self._view is not view or self._key != key:
+            self._view, self._key = view, key
+            self._seqs = view.sequences()
+            self._found = [None] * len(self._seqs)
+        found = self._found[b]
+        if found is None:
+            found = self._found[b] = lookup_match(self._seqs[b], *key)
+        return found
 
     def get(self, view: BatchView, depth: int, max_cands: int, max_match: int,
             min_match: int) -> list[tuple[list[list[int]], int]]:
         """Per row: (continuations, suffix length matched) of :func:`lookup_match`."""
         key = (depth, max_cands, max_match, min_match)
-        if self._view is not view or self._key != key:
-            self._found = [lookup_match(seq, depth, max_cands, max_match, min_match)
-                           for seq in view.sequences()]
-            self._view, self._key = view, key
-        return self._found
+        return [self._row(view, key, b) for b in range(view.batch_size)]
+
+    def shortest_match(self, view: BatchView, depth: int, max_cands: int, max_match: int,
+                       min_match: int) -> int:
+        """The shortest suffix match over the rows (0 as soon as one row has none): at large
+        batches some row usually has none, and the step then most often runs plain, so the other
+        rows' lookups are not searched unless ``propose`` needs them."""
+        key = (depth, max_cands, max_match, min_match)
+        shortest = None
+        for b in range(view.batch_size):
+            k = self._row(view, key, b)[1]
+            if k == 0:
+                return 0
+            shortest = k if shortest is None else min(shortest, k)
+        return shortest or 0
 
     def clear(self) -> None:
-        self._view, self._found = None, []
+        self._view, self._found, self._seqs = None, [], []
 
 
 class NGramDrafter(Drafter):
@@ -86,16 +110,19 @@ class NGramDrafter(Drafter):
         self.min_match = min_match
         self.lookups = ViewLookups()
 
-    def _lookups(self, view: BatchView) -> list[tuple[list[list[int]], int]]:
+    def _knobs(self, view: BatchView) -> tuple[int, int, int, int]:
         # the configured knobs' paths, not the budget-n search's (its beams and depth are cut)
         knobs = view.configured_decoding
-        return self.lookups.get(view, min(knobs.draft_depth, self.max_draft_depth),
-                                knobs.beam_width, self.max_match, self.min_match)
+        return (min(knobs.draft_depth, self.max_draft_depth), knobs.beam_width, self.max_match,
+                self.min_match)
+
+    def _lookups(self, view: BatchView) -> list[tuple[list[list[int]], int]]:
+        return self.lookups.get(view, *self._knobs(view))
 
     def context(self, view: BatchView) -> int:
         """The shortest suffix match over the rows (0: some row has none and drafts from the
         corpus N-gram model): steps that copy from a 3-token match accept far more."""
-        return min((k for _, k in self._lookups(view)), default=0)
+        return self.lookups.shortest_match(view, *self._knobs(view))
 
     def propose(self, view: BatchView) -> TokenTree:
         # the whole trie of the configured knobs, whatever the engine keeps: its first m nodes are

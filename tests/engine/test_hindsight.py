@@ -116,10 +116,28 @@ def test_a_step_looks_up_once_and_other_knobs_search_again():
     cache = ViewLookups()
     first = cache.get(v, 3, 4, 3, 1)
     assert first == [([[7, 5, 1], [9, 1, 2]], 3)]
-    assert cache.get(v, 3, 4, 3, 1) is first                      # the same view: no new search
+    assert cache.get(v, 3, 4, 3, 1)[0] is first[0]                # the same view: no new search
     assert cache.get(v, 1, 4, 3, 1) == [([[7], [9]], 3)]           # another depth: a new search
     other = view([[1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2]], [3], draft_depth=3)
-    assert cache.get(other, 3, 4, 3, 1) is not first              # another step: searched again
+    assert cache.get(other, 3, 4, 3, 1)[0] is not first[0]        # another step: searched again
+
+
+def test_the_context_stops_at_the_first_row_without_a_match(monkeypatch):
+    """A large batch's context is 0 as soon as one row has no match (the step then usually runs
+    plain): the rows after it are searched only if ``propose`` needs them, and none twice."""
+    import dart_ray.drafters.ngram as ngram_mod
+
+    calls = []
+    real = ngram_mod.lookup_match
+    monkeypatch.setattr(ngram_mod, "lookup_match",
+                        lambda seq, *a: calls.append(list(seq)) or real(seq, *a))
+    d = NGramDrafter()
+    v = view([[1, 2, 3, 9, 1, 2], [5, 6], [1, 2, 3, 9, 1, 2]], [3, 7, 3], draft_depth=2)
+    assert d.context(v) == 0 and len(calls) == 2        # row 1 has none: row 2 not searched
+    assert [k for _, k in d._lookups(v)] == [3, 0, 3] and len(calls) == 3
+    w = view([[1, 2, 3, 9, 1, 2], [4, 8, 4, 6]], [3, 4], draft_depth=2)
+    assert d.context(w) == 1 and len(calls) == 5                   # every row matched: all searched
+    assert d._lookups(w)[0][1] == 3 and len(calls) == 5            # ... once
 
 
 def test_ngram_returns_the_whole_trie_of_the_configured_knobs_under_a_cut(monkeypatch):
