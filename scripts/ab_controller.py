@@ -74,7 +74,7 @@ def main() -> None:
             e._known = lambda view, n, max_nodes: n
             e.hindsight.running = lambda rid: False
         engines[m] = e
-    chat = which == "chat"
+    chat = which in ("chat", "chat-probe")              # the chat sets run under the template
     ids = [encode_prompt(target.tokenizer, p, chat) for p in load_prompts(which, limit=limit)]
     params = SamplingParams(max_new_tokens=128)
     for e in engines.values():                     # warm-up outside the measurement
