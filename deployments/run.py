@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from dart_ray import joins_cluster, local_ray_config
+from dart_ray import init_ray, joins_cluster
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_default.yaml"
 LOOPBACK = "127.0.0.1"
@@ -63,35 +63,32 @@ def _keep_loopback_node_ip(node_ip_address: str):
 
 def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None,
                     node_ip_address: str = LOOPBACK, ray_auth: bool | None = None,
-                    niced_workers: bool = False, **init_kw: Any):
-    """``ray.init`` of a new local cluster, closed to the network (see the module docstring).
+                    **init_kw: Any) -> None:
+    """A new local Ray (:func:`dart_ray.init_ray` with ``address="local"``: its workers at this
+    process's priority), closed to the network (see the module docstring).
 
     ``ray_auth``: None = Ray's default (token auth unless ``RAY_AUTH_MODE`` says otherwise), False
     = disable it (``RAY_AUTH_MODE=disabled`` for this process and its children), True = require it.
-    Raises RuntimeError (after shutting that Ray down) if Ray did not take the loopback address.
-    Its workers run at this process's priority (``dart_ray.local_ray_config``) unless
-    ``niced_workers`` (Ray's own default, 15 lower).
+    Raises RuntimeError if Ray is already up in this process, or (after shutting that Ray down) if
+    Ray did not take the loopback address.
     """
     import ray
 
     if ray_auth is not None:
         os.environ["RAY_AUTH_MODE"] = "token" if ray_auth else "disabled"
-    # "local": a new Ray even where `ray start` left a cluster on this host, which a bare
-    # ray.init() would join (and then refuse these settings with an error about joining)
-    kw: dict[str, Any] = {"address": "local", "include_dashboard": False,
-                          "_node_ip_address": node_ip_address, **init_kw}
+    kw: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": node_ip_address,
+                          **init_kw, "address": "local"}
     if num_cpus is not None:
         kw["num_cpus"] = num_cpus
     if temp_dir:
         Path(temp_dir).mkdir(parents=True, exist_ok=True)
         kw["_temp_dir"] = str(Path(temp_dir).resolve())
-    if not niced_workers:
-        kw["_system_config"] = local_ray_config(**kw.get("_system_config", {}))
     if joins_cluster(None):
         logger.warning("RAY_ADDRESS=%s is ignored: this starts its own local Ray (pass --address "
                        "to deploy on that cluster)", os.environ["RAY_ADDRESS"])
     with _keep_loopback_node_ip(node_ip_address):
-        ctx = ray.init(**kw)
+        if not init_ray(**kw):
+            raise RuntimeError("Ray is already running in this process")
     got = ray.util.get_node_ip_address()
     if is_loopback(node_ip_address) and not is_loopback(got):
         ray.shutdown()
@@ -102,7 +99,6 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None,
         logger.warning("Ray token authentication is disabled (RAY_AUTH_MODE=disabled): any local "
                        "user can run code on this Ray instance%s", "" if is_loopback(got) else
                        f", and anyone who reaches {got}")
-    return ctx
 
 
 def load_serve_config(path: str | os.PathLike | None = None) -> dict:

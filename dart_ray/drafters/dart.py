@@ -31,11 +31,17 @@ def max_tree_nodes(decoding: DecodingConfig) -> int:
     return decoding.tree_budget + decoding.lookup_paths * decoding.lookup_len
 
 
+def lookup_knobs(decoding: DecodingConfig) -> tuple[int, int, int, int]:
+    """:func:`~dart_ray.drafters.ngram.lookup_match`'s (depth, max_cands, max_match, min_match)
+    for DART's lookup paths."""
+    return (decoding.lookup_len, decoding.lookup_paths, LOOKUP_MAX_MATCH,
+            decoding.lookup_min_match)
+
+
 def find_lookups(seq, decoding: DecodingConfig) -> tuple[list[list[int]], int]:
     """One row's prompt-lookup paths (continuations of ``seq``'s suffix found earlier in it) and
     the suffix length matched: what :meth:`DartDrafter.propose` merges into that row's tree."""
-    return lookup_match(seq, decoding.lookup_len, decoding.lookup_paths, LOOKUP_MAX_MATCH,
-                        decoding.lookup_min_match)
+    return lookup_match(seq, *lookup_knobs(decoding))
 
 
 def ngram_context_len(ngram) -> int:
@@ -248,14 +254,9 @@ class DartDrafter(Drafter):
         so it also skips the drafter forward: its acceptance and its cost both differ."""
         if not view.decoding.lookup_paths:
             return 0
-        return self.lookups.shortest_match(view, *self._knobs(view))
-
-    @staticmethod
-    def _knobs(view: BatchView) -> tuple[int, int, int, int]:
-        d = view.decoding
-        return d.lookup_len, d.lookup_paths, LOOKUP_MAX_MATCH, d.lookup_min_match
+        return self.lookups.shortest_match(view, *lookup_knobs(view.decoding))
 
     def _lookups(self, view: BatchView) -> list[tuple[list[list[int]], int]]:
         """Per row: continuations of the text's suffix found earlier in the same sequence, and the
         suffix length matched."""
-        return self.lookups.get(view, *self._knobs(view))
+        return self.lookups.get(view, *lookup_knobs(view.decoding))

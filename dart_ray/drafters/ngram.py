@@ -87,13 +87,13 @@ class ViewLookups:
         batches some row usually has none, and the step then most often runs plain, so the other
         rows' lookups are not searched unless ``propose`` needs them."""
         key = (depth, max_cands, max_match, min_match)
-        shortest = None
+        matched = []
         for b in range(view.batch_size):
             k = self._row(view, key, b)[1]
             if k == 0:
                 return 0
-            shortest = k if shortest is None else min(shortest, k)
-        return shortest or 0
+            matched.append(k)
+        return min(matched, default=0)
 
     def clear(self) -> None:
         self._view, self._found, self._seqs = None, [], []
