@@ -638,8 +638,11 @@ def test_tp2_replica_packed_on_one_node_and_restored_whole(cluster, serve_app, t
 
 # ---- batch: a node lost mid-job ------------------------------------------------------------------
 def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path):
+    import ray
+
     from batch import BatchJobConfig, OutputStore, run_batch_job
     from dart_ray import EngineConfig, SamplingParams
+
 
     cluster.ensure("node_a", "node_b")
     # the serve app above would re-create its lost replica meanwhile and take the survivor's CPUs
@@ -648,6 +651,12 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
         from ray import serve
 
         serve.delete("main")
+    # every worker node's CPUs free again (deleted replicas release theirs a moment later): with one
+    # node still busy, Ray Data's SPREAD placed both engine actors on the other (seen in a fresh
+    # clone: both on node_b, the job done in 15 s before the wait below could see two nodes)
+    wait_for(lambda: ray.available_resources().get("CPU", 0.0) >= NODE_CPUS * len(cluster.nodes),
+             DETECT_BOUND_S, "every worker node's CPUs free before the job",
+             state=lambda: ray.available_resources())
     n = 160
     ids = [f"row-{i:04d}" for i in range(n)]
     inp = tmp_path / "prompts.parquet"
