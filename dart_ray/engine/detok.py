@@ -9,8 +9,13 @@ cut before it, the token ids after the token that completes it, so token ids, us
 
 :class:`IncrementalDetokenizer` decodes only a small window of new tokens per step. The window
 starts at the tokens emitted in the previous chunk (``prefix_offset``) so that leading-space
-handling matches decoding the whole sequence; text is emitted only when the window does not end
-in a replacement character (a UTF-8 character split across byte-level tokens).
+handling matches decoding the whole sequence. When the window's decode ends in replacement
+characters (a UTF-8 character split across byte-level tokens), the complete characters before
+them are emitted at once (UTF-8 is self-synchronising: they do not change when the rest of the
+split character arrives) and the window stays where it is until its decode no longer ends in one;
+so after every push ``text == decode(ids).rstrip("\ufffd")`` and the text never lags the ids by
+more than a split character. A stop string is thus found in the push whose ids complete it, and
+the ids kept are the fewest whose text contains it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
+        self.window_emitted = 0
+        """Characters of the current window (past its ``prefix_offset:read_offset`` part) already
+        emitted while its decode ended in a split character."""
         self.text = ""
 
     def push(self, new_ids: list[int]) -> str:
@@ -31,12 +39,19 @@ class IncrementalDetokenizer:
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset],
                                  skip_special_tokens=self.skip)
         full = self.tok.decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
+        start = len(prefix) + self.window_emitted
+        if full.endswith("\ufffd"):
+            # a split character at the end: emit what precedes it, keep the window where it is
+            delta = full.rstrip("\ufffd")[start:]
+            self.window_emitted += len(delta)
+        elif len(full) > len(prefix):
+            delta = full[start:]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += delta
-            return delta
-        return ""
+            self.window_emitted = 0
+        else:
+            return ""
+        self.text += delta
+        return delta
 
 
 class RequestText:
@@ -78,7 +93,8 @@ class RequestText:
             if hits:
                 cut, n_stop = min(hits)
                 d.text = text = text[:cut]
-                keep = self._tokens_through(before, len(ids), cut + n_stop)
+                # ids of earlier pushes were returned already: those stay, only this push's shrink
+                keep = max(self._tokens_through(before, cut + n_stop) - before, 0)
                 del d.ids[before + keep:]
                 ids, stopped = ids[:keep], True
         self.finished = finished or stopped
@@ -87,12 +103,29 @@ class RequestText:
         self.emitted = upto
         return ids, delta, stopped
 
-    def _tokens_through(self, before: int, n_new: int, end: int) -> int:
-        """How many of the ``n_new`` ids after the first ``before`` it takes for the text to reach
-        ``end`` characters (the token that completes a stop string is the last one kept)."""
+    def _tokens_through(self, before: int, end: int) -> int:
+        """The fewest of all ids whose text reaches ``end`` characters (the token that completes a
+        stop string is the last one kept); ``before``: the ids pushed before this push.
+
+        The text of every push is readable at once (:class:`IncrementalDetokenizer`), so a stop
+        string found now was completed by this push's ids: the search starts there. Should the
+        text of the earlier ids already reach ``end``, the fewest ids are found among them."""
         d = self.detok
-        for j in range(1, n_new):
-            text = d.tok.decode(d.ids[:before + j], skip_special_tokens=d.skip)
-            if len(text.rstrip("\ufffd")) >= end:     # a split UTF-8 character is not there yet
-                return j
-        return n_new
+
+        def reaches(n: int) -> bool:                # a split UTF-8 character is not there yet
+            text = d.tok.decode(d.ids[:n], skip_special_tokens=d.skip)
+            return len(text.rstrip("\ufffd")) >= end
+
+        if reaches(before):                         # completed by earlier ids: bisect them
+            lo, hi = 0, before                      # not reaches(lo - 1); reaches(hi)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if reaches(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return lo
+        for n in range(before + 1, len(d.ids)):
+            if reaches(n):
+                return n
+        return len(d.ids)

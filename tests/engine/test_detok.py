@@ -1,0 +1,186 @@
+"""Incremental detokenisation and stop strings (:mod:`dart_ray.engine.detok`): text is readable as
+soon as its characters are complete, also when multi-token pushes keep ending inside a UTF-8
+character (CJK text), and a stop string keeps the fewest ids whose text contains it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dart_ray.engine.detok import IncrementalDetokenizer, RequestText
+
+CJK = "中文翻译：我爱北京天安门。我爱北京天安门。我爱北京天安门。我爱北京"
+CJK_OUT = "天安门。我爱北京天安门。我爱北，中文🙂 and some English too。"
+ASCII = "The quick brown fox jumps over the lazy dog, then naps in the sun."
+
+
+@pytest.fixture(scope="module")
+def tok(smollm_dir):
+    from dart_ray.models.loading import load_tokenizer
+
+    return load_tokenizer(smollm_dir)
+
+
+class ByteTokenizer:
+    """A byte-level tokenizer: ids 0-255 are bytes, 256 a special token (skipped or shown)."""
+
+    SPECIAL = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            if i == self.SPECIAL:
+                out.append(run.decode(errors="replace"))
+                run = bytearray()
+                if not skip_special_tokens:
+                    out.append("<s>")
+            else:
+                run.append(i)
+        return "".join(out) + run.decode(errors="replace")
+
+
+def completion_ids(tok, prompt: str, out: str) -> list[int]:
+    """The ids of ``out`` as they follow ``prompt`` (so they split characters as in generation)."""
+    pids = tok(prompt, add_special_tokens=False)["input_ids"]
+    ids = tok(prompt + out, add_special_tokens=False)["input_ids"][len(pids):]
+    assert tok.decode(ids) == out
+    return ids
+
+
+def chunked(ids: list[int], sizes) -> list[list[int]]:
+    chunks, i, sizes = [], 0, iter(sizes)
+    while i < len(ids):
+        n = next(sizes)
+        chunks.append(ids[i:i + n])
+        i += n
+    return chunks
+
+
+def chunkings(n_ids: int, seed: int = 0):
+    """Fixed chunk sizes 1-4 and random ones of 1-8 (what speculative decoding accepts)."""
+    for size in (1, 2, 3, 4):
+        yield f"size {size}", chunked(list(range(n_ids)), iter(lambda s=size: s, None))
+    rng = random.Random(seed)
+    for trial in range(20):
+        yield f"random {trial}", chunked(list(range(n_ids)),
+                                         iter(lambda: rng.randint(1, 8), None))
+
+
+def check_streaming(tok, ids: list[int], skip: bool = True) -> None:
+    full = tok.decode(ids, skip_special_tokens=skip)
+    for name, index_chunks in chunkings(len(ids)):
+        d = IncrementalDetokenizer(tok, skip)
+        deltas, pushed = [], []
+        for chunk in index_chunks:
+            pushed += [ids[i] for i in chunk]
+            deltas.append(d.push([ids[i] for i in chunk]))
+            # all complete characters are there: only a split one at the end may be missing
+            assert d.text == tok.decode(pushed, skip_special_tokens=skip).rstrip("\ufffd"), name
+            assert "".join(deltas) == d.text, name
+        assert d.text == full, name
+
+
+def test_cjk_text_streams_as_soon_as_its_characters_are_complete(tok):
+    """CJK ids pushed in chunks of 1-4 and of random sizes: the text after every push is the
+    decode of all ids less a trailing split character, and the deltas add up to the decode."""
+    ids = completion_ids(tok, CJK, CJK_OUT)
+    assert sum(tok.decode([i]).endswith("\ufffd") for i in ids) > len(ids) // 2
+    check_streaming(tok, ids)
+    check_streaming(tok, tok(CJK + CJK_OUT, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_tokens_stream_as_soon_as_characters_are_complete(skip):
+    """One byte per id (every multi-byte character split), with special tokens between bytes of a
+    character: the same invariant, skipping special tokens or not."""
+    bt = ByteTokenizer()
+    ids = bt.encode("a 中文 b🙂c é")
+    ids[4:4] = [ByteTokenizer.SPECIAL]                           # inside 中
+    ids[-3:-3] = [ByteTokenizer.SPECIAL, ByteTokenizer.SPECIAL]
+    check_streaming(bt, ids, skip)
+    d = IncrementalDetokenizer(bt)
+    assert d.push(bt.encode("ab中")[:3]) == "ab"                 # not held back for the split 中
+    assert d.push(bt.encode("中")[1:]) == "中"
+
+
+def run_stop(tok, ids: list[int], stop: str, sizes):
+    rt = RequestText(tok, (stop,))
+    text, kept, stopped = "", [], False
+    for chunk in chunked(ids, sizes):
+        k, t, stopped = rt.push(chunk, False)
+        assert k == chunk[:len(k)]
+        text, kept = text + t, kept + k
+        if stopped:
+            break
+    return rt, text, kept, stopped
+
+
+@pytest.mark.parametrize("stop", ["天", "安", "门。", "。我", "北京", "中文", "🙂"])
+def test_cjk_stop_keeps_the_fewest_ids_in_chunks_of_three(tok, stop):
+    """A stop string in CJK text pushed 3 ids at a time (and in random chunks): the text is cut
+    before it, and the ids kept (returned, and counted as usage) are the fewest whose text
+    contains it."""
+    ids = completion_ids(tok, CJK, CJK_OUT)
+    fewest = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n]))
+    rng = random.Random(1)
+    random_sizes = [iter(lambda: rng.randint(1, 8), None) for _ in range(10)]
+    for sizes in [iter(lambda: 3, None), *random_sizes]:
+        rt, text, kept, stopped = run_stop(tok, ids, stop, sizes)
+        assert stopped and rt.finished
+        assert text == CJK_OUT[:CJK_OUT.find(stop)]
+        assert rt.num_tokens == len(kept) == fewest and kept == ids[:fewest]
+        assert rt.detok.ids == kept
+
+
+@pytest.mark.parametrize("boundary", [1, 2])
+def test_ascii_stop_straddling_a_chunk_boundary(tok, boundary):
+    """ASCII, unchanged: a stop string whose ids arrive in two pushes ends the request in the
+    second, with the text before it and the ids through the token completing it."""
+    ids = tok(ASCII, add_special_tokens=False)["input_ids"]
+    stop = "brown fox jumps"
+    fewest = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n]))
+    split = fewest - boundary                   # the last `boundary` ids of the stop come later
+    assert stop not in tok.decode(ids[:split])
+    assert ASCII.find(stop) < len(tok.decode(ids[:split]))     # the first push has part of it
+    rt = RequestText(tok, (stop,))
+    k1, t1, s1 = rt.push(ids[:split], False)
+    k2, t2, s2 = rt.push(ids[split:split + 4], False)
+    assert (k1, s1) == (ids[:split], False) and s2 and rt.finished
+    assert t1 + t2 == ASCII[:ASCII.find(stop)]
+    assert k1 + k2 == ids[:fewest] and rt.num_tokens == fewest
+    with pytest.raises(RuntimeError):
+        rt.push(ids[split + 4:], False)
+
+
+class LaggingDetokenizer(IncrementalDetokenizer):
+    """Makes text only on every other push (as a detokenizer that held text back would)."""
+
+    pushes = 0
+
+    def push(self, new_ids):
+        self.ids.extend(new_ids)
+        self.pushes += 1
+        if self.pushes % 2:
+            return ""
+        old, self.text = self.text, self.tok.decode(self.ids).rstrip("\ufffd")
+        return self.text[len(old):]
+
+
+def test_a_stop_completed_by_an_earlier_push_keeps_none_of_this_push():
+    """Should a stop string show only after the push that completed it, none of this push's ids
+    are kept: the ids returned, the usage and the text still agree."""
+    bt = ByteTokenizer()
+    ids = bt.encode("ab天安门")                                     # 天: ids 2-4
+    rt = RequestText(bt, ("天",))
+    rt.detok = LaggingDetokenizer(bt)
+    assert rt.push(ids[:5], False) == (ids[:5], "", False)         # 天 complete, text not made
+    kept, text, stopped = rt.push(ids[5:8], False)
+    assert stopped and kept == [] and text == "ab"
+    assert rt.num_tokens == 5 and rt.detok.ids == ids[:5] and rt.detok.text == "ab"
+    assert rt._tokens_through(5, len("ab天")) == 5              # the fewest of all ids
+    assert rt._tokens_through(4, len("ab天")) == 5
+    assert rt._tokens_through(0, len("ab")) == 2
