@@ -183,6 +183,18 @@ class DecodingConfig:
     token."""
 
     def __post_init__(self) -> None:
+        # types first, so a profile's typo (``draft_depth: 8.5``, ``true``, ``"8"``) names the
+        # knob; integral numbers become plain ints, real ones floats (a stable fingerprint)
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int":
+                _check(isinstance(v, numbers.Integral) and not isinstance(v, bool),
+                       f"{f.name} must be an integer, got {v!r}")
+                object.__setattr__(self, f.name, int(v))
+            elif f.type == "float":
+                _check(isinstance(v, numbers.Real) and not isinstance(v, bool),
+                       f"{f.name} must be a number, got {v!r}")
+                object.__setattr__(self, f.name, float(v))
         _check(1 <= self.draft_depth <= 32,
                f"draft_depth must be in [1, 32], got {self.draft_depth}")
         _check(1 <= self.top_k <= 256, f"top_k must be in [1, 256], got {self.top_k}")
@@ -224,6 +236,10 @@ class DecodingConfig:
         return cls(**d)
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (vLLM's threshold)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation parameters (OpenAI-style semantics)."""
@@ -232,7 +248,9 @@ class SamplingParams:
     """Upper bound on generated tokens (the stop token, if hit, counts)."""
 
     temperature: float = 0.0
-    """0 = greedy (argmax); > 0 samples from softmax(logits / temperature)."""
+    """0 = greedy (argmax); > 0 samples from softmax(logits / temperature). Below
+    :data:`GREEDY_BELOW` (1e-5) it is greedy too, as in vLLM: dividing float32 logits by a smaller
+    one overflows, and the distribution it describes is the argmax anyway."""
 
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens with cumulative probability >= top_p."""
@@ -241,10 +259,11 @@ class SamplingParams:
     """Keep only the k most likely tokens before sampling; 0 disables."""
 
     seed: int | None = None
-    """Seed of this request's private RNG. Sampling is reproducible per request when set and the
-    tree schedule is fixed (``EngineConfig.adaptive=False``): with adaptive speculation the tree
-    sizes follow this machine's timings, and the output, still an exact sample of the target, can
-    differ between runs."""
+    """Seed of this request's randomness. The token at each output position is drawn with a
+    uniform keyed by (seed, position) (:mod:`dart_ray.verify.randomness`), so a seeded request's
+    output is the same in any batch, under any tree schedule (adaptive or not) and with any
+    method -- the one plain sampling with this seed gives -- except SpS, whose draft model samples
+    its drafts from a sequential stream (reproducible for a fixed schedule only)."""
 
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end the request (the tokenizer's EOS always does unless ignore_eos)."""
@@ -268,7 +287,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

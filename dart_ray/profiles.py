@@ -35,9 +35,11 @@ here.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import threading
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,11 +97,30 @@ class DecodingSchedule:
 
     @classmethod
     def from_dict(cls, d: dict) -> DecodingSchedule:
+        """From the YAML/JSON form; unknown keys (top level or in an entry), a non-integer
+        ``max_batch_size`` and bad knobs are errors that name them."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"malformed decoding profile: expected a mapping, got "
+                             f"{type(d).__name__}")
+        unknown = set(d) - {"workload", "schedule", "meta"}
+        if unknown:
+            raise ValueError(f"malformed decoding profile: unknown keys {sorted(unknown)} "
+                             "(expected workload, schedule, meta)")
         try:
-            entries = tuple(sorted((int(e["max_batch_size"]),
-                                    DecodingConfig.from_dict(e["decoding"]))
-                                   for e in d["schedule"]))
-            return cls(str(d.get("workload", "unnamed")), entries, dict(d.get("meta") or {}))
+            entries = []
+            for e in d["schedule"]:
+                extra = set(e) - {"max_batch_size", "decoding"}
+                if extra:
+                    raise ValueError(f"malformed decoding profile: unknown keys {sorted(extra)} in "
+                                     "a schedule entry (expected max_batch_size, decoding)")
+                b = e["max_batch_size"]
+                if not isinstance(b, numbers.Integral) or isinstance(b, bool):
+                    raise ValueError(f"malformed decoding profile: max_batch_size must be an "
+                                     f"integer, got {b!r}")
+                entries.append((int(b), DecodingConfig.from_dict(e["decoding"])))
+            entries.sort(key=lambda e: e[0])        # duplicates: __post_init__ says so
+            return cls(str(d.get("workload", "unnamed")), tuple(entries),
+                       dict(d.get("meta") or {}))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed decoding profile: missing/invalid {e}") from None
 

@@ -16,7 +16,6 @@ with the ``none`` drafter (root-only trees), so speedups are measured against th
 from __future__ import annotations
 
 import functools
-import random
 import time
 import uuid
 from collections import deque
@@ -38,7 +37,7 @@ from dart_ray.masks import attention_mask, causal_ancestors
 from dart_ray.models.loading import LoadedTarget
 from dart_ray.profiles import DecodingSchedule
 from dart_ray.tree import TokenTree, empty_tree
-from dart_ray.verify import accept
+from dart_ray.verify import RequestRandom, accept
 from dart_ray.verify.logits import NodeLogits
 
 PromptLike = str | list[int] | list[dict]
@@ -266,14 +265,11 @@ class Engine:
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        rand = None if params.greedy else RequestRandom(params.seed, device=self.device)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
-        req = Request(request_id=rid, prompt_ids=ids, params=params, generator=gen,
+        req = Request(request_id=rid, prompt_ids=ids, params=params, random=rand,
                       stop_ids=frozenset(stop_ids))
         self.requests[rid] = req
         self.waiting.append(req)
@@ -369,7 +365,7 @@ class Engine:
         roots = torch.tensor([r.root for r in reqs], dtype=torch.long, device=dev)
         view = BatchView(roots=roots, lengths=self.cache.lengths[:B], tokens=self.tokens,
                          decoding=decoding, params=[r.params for r in reqs],
-                         generators=[r.generator for r in reqs])
+                         generators=[r.random and r.random.generator for r in reqs])
         context: tuple[int, bool] = (0, False)                                # plan
         if self.controller is None:
             n = max_nodes
@@ -471,7 +467,9 @@ class Engine:
         return NodeLogits.lazy(tree, out.hidden, self.model.head), out.taps
 
     def _accept(self, tree: TokenTree, logits: torch.Tensor | NodeLogits, reqs: list[Request]):
-        return accept(tree, logits, [r.params for r in reqs], [r.generator for r in reqs])
+        # the token after each root is output position len(output_ids) (the root is in them)
+        return accept(tree, logits, [r.params for r in reqs], [r.random for r in reqs],
+                      [len(r.output_ids) for r in reqs])
 
     def _commit(self, tree: TokenTree, acc, taps, num_committed: list[int],
                 view: BatchView) -> list[list[int]]:

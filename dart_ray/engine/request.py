@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 from dart_ray.config import SamplingParams
 from dart_ray.engine.detok import RequestText
+from dart_ray.verify.randomness import RequestRandom
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -86,7 +85,9 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    random: RequestRandom | None
+    """Its randomness (sampled requests; None when greedy): position-keyed uniforms, and the
+    generator a sampling drafter (SpS) draws its drafts with."""
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)

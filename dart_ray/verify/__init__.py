@@ -7,5 +7,7 @@ from dart_ray.verify.acceptance import (
     processed_probs,
     sample_accept,
 )
+from dart_ray.verify.randomness import RequestRandom
 
-__all__ = ["Acceptance", "accept", "greedy_accept", "processed_probs", "sample_accept"]
+__all__ = ["Acceptance", "RequestRandom", "accept", "greedy_accept", "processed_probs",
+           "sample_accept"]

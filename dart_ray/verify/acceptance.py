@@ -16,19 +16,22 @@ Greedy (``temperature == 0``): a node is correct iff its token is the argmax of 
 logits; the accepted path is the deepest all-correct path and the bonus is the argmax after it.
 The emitted tokens are exactly those plain greedy decoding would produce.
 
-Sampling: speculative sampling (Leviathan et al., 2023, "Fast Inference from Transformers via
-Speculative Decoding") generalised to several drafts per position as in SpecInfer-style multi-draft
-verification (Miao et al., 2024), specialised to *deterministic* drafts (each draft is a point mass
-on its token). At the current node with target distribution ``p`` the distinct children ``x`` are
-tried in node-index order; ``x`` is accepted with probability ``p(x) / sum(p)``; on rejection
-``p(x) := 0`` (the residual) and the next child is tried. If none is accepted the bonus is sampled
-from the residual. By induction each emitted token has exactly the target's processed distribution
-given the prefix, whatever the draft tree was (``tests/verify/test_acceptance.py`` checks this
-statistically, including a negative control that must fail).
+Sampling, deterministic drafts (every drafter but SpS): position-keyed
+(:mod:`dart_ray.verify.randomness`). The target draws the token at each output position by
+inverting its processed CDF at one uniform keyed by (the request's seed, the position); a child is
+accepted iff it carries the drawn token, and the drawn token after the last accepted node is the
+bonus. Each emitted token is the target's sample given its prefix -- and the very token plain
+sampling with the same seed draws there, so a seeded request's output does not depend on the
+tree, the method or the batch. A node's children are accepted with probability ``sum p(x)`` over
+their distinct tokens, what recursive rejection sampling (SpecInfer-style multi-draft
+verification, Miao et al., 2024) gives for point-mass drafts. ``tests/verify/test_acceptance.py``
+checks losslessness statistically, including a negative control that must fail, and equality with
+plain sampling.
 
 Sampled drafts (``tree.draft_probs`` set, chains only -- the SpS draft model): the standard rule
-of Leviathan et al. -- accept ``x ~ q`` with probability ``min(1, p(x) / q(x))``; on rejection the
-bonus is drawn from ``max(p - q, 0)`` renormalised.
+of Leviathan et al. (2023) -- accept ``x ~ q`` with probability ``min(1, p(x) / q(x))``; on
+rejection the bonus is drawn from ``max(p - q, 0)`` renormalised -- with the request's sequential
+generator.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 from dart_ray.config import SamplingParams
 from dart_ray.tree.tree import TokenTree
 from dart_ray.verify.logits import NodeLogits, internal_nodes
+from dart_ray.verify.randomness import RequestRandom
 
 __all__ = ["Acceptance", "accept", "greedy_accept", "processed_probs", "sample_accept"]
 
@@ -109,7 +113,8 @@ def processed_probs(
             csum = sp.cumsum(dim=-1)
             # exclusive cumulative mass: a token stays if the more likely ones sum to < top_p
             before = torch.cat([torch.zeros_like(csum[..., :1]), csum[..., :-1]], dim=-1)
-            keep = keep & ((before < p) | (p >= 1.0))
+            # rank 0 always stays: a top_p that underflows float32 (e.g. 1e-300) keeps it alone
+            keep = keep & ((before < p) | (p >= 1.0) | (rank == 0))
         mask = torch.zeros_like(keep).scatter(-1, order, keep)  # [..., V] back in vocab order
         x = x.masked_fill(~mask, float("-inf"))
     return torch.softmax(x, dim=-1)
@@ -203,10 +208,15 @@ def _uniforms(n: int, gen: torch.Generator | None) -> list[float]:
     return torch.rand(n, generator=gen, dtype=torch.float64, device=gen.device).tolist()
 
 
+def _row_params(params: tuple, rows: torch.Tensor) -> tuple:
+    """Per-row (temperature, top_k, top_p) -- scalars or ``[B]`` tensors -- of ``rows``."""
+    return tuple(v[rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for v in params)
+
+
 class _NodeProbs:
     """Processed target probabilities at tree nodes (the sampling distribution), from NodeLogits:
     eager on internal nodes, on demand elsewhere, each row with its own temperature / top-k /
-    top-p."""
+    top-p. (Sampled drafts only: they need ``p`` at every draft token.)"""
 
     def __init__(self, tree: TokenTree, logits: NodeLogits, temperature, top_k, top_p) -> None:
         self.logits = logits
@@ -219,9 +229,7 @@ class _NodeProbs:
         self.probs = self._compute(rows, nodes)                           # [K, V] float32
 
     def _compute(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        t, k, p = (v[rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                   for v in self.params)
-        return processed_probs(self.logits.at(rows, nodes), t, k, p)
+        return processed_probs(self.logits.at(rows, nodes), *_row_params(self.params, rows))
 
     def at(self, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
         """``[n, V]`` probabilities at (rows[j], nodes[j]); nodes without logits yet are
@@ -242,101 +250,74 @@ def sample_accept(
     temperature: torch.Tensor | float,
     top_k: torch.Tensor | int,
     top_p: torch.Tensor | float,
-    generators: Sequence[torch.Generator | None],
+    randoms: Sequence[RequestRandom],
+    positions: Sequence[int] | None = None,
 ) -> Acceptance:
-    """Lossless multi-draft acceptance for deterministic drafts (recursive rejection sampling).
+    """Lossless multi-draft acceptance, position-keyed (:mod:`dart_ray.verify.randomness`).
 
     ``logits``: ``[B, 1+N, V]`` (or :class:`~dart_ray.verify.logits.NodeLogits`); ``temperature``
-    (> 0), ``top_k``, ``top_p``: scalars or ``[B]``; ``generators[b]`` drives row b (``None`` =
-    torch's default CPU generator). Each call consumes exactly ``n_valid_nodes(b) + 1`` uniforms
-    from ``generators[b]`` (one per child tried, one for the bonus, the rest unused), so a row's
-    random stream depends only on its own tree, not on the batch it is in.
+    (> 0), ``top_k``, ``top_p``: scalars or ``[B]``; ``randoms[b]``: row b's randomness;
+    ``positions[b]``: the output position of the token after row b's root (default 0).
+
+    Deterministic drafts: walking down from the root, the target draws the token at each position
+    by inverting its processed CDF at ``randoms[b].uniform(position)``; the child carrying that
+    token is accepted (the first one, if siblings repeat a token), and where no child does, the
+    drawn token is the bonus. Each emitted token is the target's sample given its prefix, and the
+    one plain sampling draws at that position with the same seed, whatever the tree was.
     """
     B, T = tree.tokens.shape
     nl = NodeLogits.of(logits)
     if tuple(nl.shape) != (B, T):
         raise ValueError(f"logits shape {tuple(nl.shape)} does not match tree {(B, T)}")
-    if len(generators) != B:
-        raise ValueError(f"need one generator per row: got {len(generators)} for batch {B}")
+    if len(randoms) != B:
+        raise ValueError(f"need one RequestRandom per row: got {len(randoms)} for batch {B}")
+    positions = [0] * B if positions is None else [int(x) for x in positions]
+    if len(positions) != B:
+        raise ValueError(f"need one position per row: got {len(positions)} for batch {B}")
     t = _per_row(temperature, tree.tokens, torch.float32)
     if bool((t <= 0).any()):
         raise ValueError("processed_probs needs temperature > 0 (greedy rows are handled by "
                          "argmax)")
-    dev = nl.device
-    probs = _NodeProbs(tree, nl, temperature, top_k, top_p)
-    par = tree.parents.clamp(min=0)  # [B, T]
-    # p_child[b, i] = p(tokens[i] | parent of i): the target mass on node i at its parent
-    # [B, T] (every valid node's parent is internal)
-    par_slot = probs.slot.gather(1, par).clamp(min=0)
-    p_child = (probs.probs[par_slot, tree.tokens] if probs.probs.shape[0]      # [B, T]
-               else torch.zeros(B, T, device=dev))
     if tree.draft_probs is not None:
         if tuple(tree.draft_probs.shape[:2]) != (B, T):
             raise ValueError(f"draft_probs {tuple(tree.draft_probs.shape)} do not match the tree "
                              f"{(B, T)}")
-        return _sample_accept_pq(tree, probs, p_child.double().cpu().tolist(),
-                                 tree.valid.cpu().tolist(), generators)
-    total = probs.probs.sum(dim=-1, dtype=torch.float64)  # [K] (1 up to rounding)
-    node_total = torch.where(probs.slot >= 0, total[probs.slot.clamp(min=0)], 1.0)  # [B, T]
-    p_child_l = p_child.double().cpu().tolist()
-    total_l = node_total.cpu().tolist()
+        return _sample_accept_pq(tree, _NodeProbs(tree, nl, temperature, top_k, top_p),
+                                 [r.generator for r in randoms])
+    dev = nl.device
+    params = (temperature, top_k, top_p)
     tok_l = tree.tokens.cpu().tolist()
     par_l = tree.parents.cpu().tolist()
     valid_l = tree.valid.cpu().tolist()
-
-    paths: list[list[int]] = []
-    last_nodes: list[int] = []
-    rejected_rows: list[int] = []
-    rejected_toks: list[int] = []
-    bonus_u: list[float] = []
+    # kids[b][node] = {token: first child carrying it}
+    kids: list[dict[int, dict[int, int]]] = []
     for b in range(B):
-        children: list[list[int]] = [[] for _ in range(T)]
-        n_valid = 0
+        k: dict[int, dict[int, int]] = {}
         for i in range(1, T):
             if valid_l[b][i]:
-                children[par_l[b][i]].append(i)
-                n_valid += 1
-        u = _uniforms(n_valid + 1, generators[b])
-        used = 0
-        cur = 0
-        path = [0]
-        while True:
-            mass = total_l[b][cur]  # sum of the (residual) p at `cur`
-            seen: set[int] = set()
-            nxt = -1
-            for c in children[cur]:
-                x = tok_l[b][c]
-                if x in seen:  # duplicate sibling: already rejected
-                    continue
-                seen.add(x)
-                px = p_child_l[b][c]
-                if u[used] * mass < px:  # accept with probability p(x) / sum(p)
-                    used += 1
-                    nxt = c
-                    break
-                used += 1
-                mass -= px  # residual: p(x) := 0
-            if nxt < 0:
-                rejected_rows.extend([b] * len(seen))
-                rejected_toks.extend(seen)
-                break
-            path.append(nxt)
-            cur = nxt
-        paths.append(path)
-        last_nodes.append(cur)
-        bonus_u.append(u[used])
-
-    # bonus from the residual at each row's last accepted node, all rows at once
-    rows = torch.arange(B, device=dev)
-    last = torch.tensor(last_nodes, dtype=torch.long, device=dev)  # [B]
-    orig = probs.at(rows, last)  # [B, V]
-    resid = orig.clone()
-    if rejected_rows:
-        rej_r = torch.tensor(rejected_rows, device=dev)
-        rej_t = torch.tensor(rejected_toks, device=dev)
-        resid[rej_r, rej_t] = 0.0  # residual: rejected tokens of the last node's children
-    bonus = _draw(resid, orig, bonus_u)
-    return _acceptance(tree, paths, bonus)
+                k.setdefault(par_l[b][i], {}).setdefault(tok_l[b][i], i)
+        kids.append(k)
+    paths: list[list[int]] = [[0] for _ in range(B)]
+    bonus = [0] * B
+    active = list(range(B))
+    level = 0
+    while active:                       # one level per pass: the rows still on their trees
+        rows = torch.tensor(active, dtype=torch.long, device=dev)
+        nodes = torch.tensor([paths[b][-1] for b in active], dtype=torch.long, device=dev)
+        probs = processed_probs(nl.at(rows, nodes), *_row_params(params, rows))   # [n, V]
+        u = [randoms[b].uniform(positions[b] + level) for b in active]
+        drawn = _draw(probs, probs, u).tolist()                                    # [n]
+        still = []
+        for b, x in zip(active, drawn, strict=True):
+            child = kids[b].get(paths[b][-1], {}).get(x, -1)
+            if child < 0:
+                bonus[b] = x
+            else:
+                paths[b].append(child)
+                still.append(b)
+        active = still
+        level += 1
+    return _acceptance(tree, paths, torch.tensor(bonus, dtype=torch.long, device=dev))
 
 
 def _draw(resid: torch.Tensor, orig: torch.Tensor, u: list[float]) -> torch.Tensor:
@@ -352,10 +333,18 @@ def _draw(resid: torch.Tensor, orig: torch.Tensor, u: list[float]) -> torch.Tens
     return torch.minimum(bonus, last_pos)  # guard rounding at the top
 
 
-def _sample_accept_pq(tree: TokenTree, probs: _NodeProbs, p_child_l: list, valid_l: list,
+def _sample_accept_pq(tree: TokenTree, probs: _NodeProbs,
                       generators: Sequence[torch.Generator | None]) -> Acceptance:
-    """Sampled chain drafts: accept x ~ q w.p. min(1, p(x)/q(x)); else bonus ~ max(p - q, 0)."""
+    """Sampled chain drafts: accept x ~ q w.p. min(1, p(x)/q(x)); else bonus ~ max(p - q, 0).
+
+    Uniforms come from each row's sequential generator: ``n_valid_nodes(b) + 1`` per call."""
     B, T = tree.tokens.shape
+    # p_child[b, i] = p(tokens[i] | parent of i) (every valid node's parent is internal)
+    par_slot = probs.slot.gather(1, tree.parents.clamp(min=0)).clamp(min=0)    # [B, T]
+    p_child = (probs.probs[par_slot, tree.tokens] if probs.probs.shape[0]      # [B, T]
+               else torch.zeros(B, T, device=probs.probs.device))
+    p_child_l = p_child.double().cpu().tolist()
+    valid_l = tree.valid.cpu().tolist()
     dev = probs.probs.device
     if T > 1 and not bool(((tree.parents[:, 1:] == torch.arange(T - 1, device=tree.parents.device))
                            | ~tree.valid[:, 1:]).all()):
@@ -413,16 +402,19 @@ def accept(
     tree: TokenTree,
     logits: torch.Tensor | NodeLogits,
     params_list: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    randoms: Sequence[RequestRandom | None],
+    positions: Sequence[int] | None = None,
 ) -> Acceptance:
-    """Verify a batch whose rows may mix greedy (``temperature == 0``) and sampled requests.
+    """Verify a batch whose rows may mix greedy and sampled requests.
 
     Greedy rows get :func:`greedy_accept` semantics, sampled rows :func:`sample_accept` with their
-    own temperature / top-k / top-p and ``generators[b]``.
+    own temperature / top-k / top-p, ``randoms[b]`` and ``positions[b]`` (the output position of
+    the token after the root; default 0).
     """
     B = tree.batch_size
-    if len(params_list) != B or len(generators) != B:
-        raise ValueError(f"need one SamplingParams and one generator per row (batch {B})")
+    if len(params_list) != B or len(randoms) != B:
+        raise ValueError(f"need one SamplingParams and one RequestRandom per row (batch {B})")
+    positions = [0] * B if positions is None else list(positions)
     greedy = [b for b, sp in enumerate(params_list) if sp.greedy]
     logits = NodeLogits.of(logits)
     if len(greedy) == B:
@@ -437,13 +429,16 @@ def accept(
         idx = torch.tensor(greedy, dtype=torch.long, device=dev)
         _put_rows(out, idx, greedy_accept(tree.select_rows(idx), logits.select_rows(idx)))
     sampled = [b for b, sp in enumerate(params_list) if not sp.greedy]
+    missing = [b for b in sampled if randoms[b] is None]
+    if missing:
+        raise ValueError(f"sampled rows {missing} have no RequestRandom")
     idx = torch.tensor(sampled, dtype=torch.long, device=dev)
     temps = torch.tensor([params_list[b].temperature for b in sampled], dtype=torch.float32,
                          device=dev)
     ks = torch.tensor([params_list[b].top_k for b in sampled], dtype=torch.long, device=dev)
     ps = torch.tensor([params_list[b].top_p for b in sampled], dtype=torch.float32, device=dev)
     sub = sample_accept(tree.select_rows(idx), logits.select_rows(idx), temps, ks, ps,
-                        [generators[b] for b in sampled])
+                        [randoms[b] for b in sampled], [positions[b] for b in sampled])
     _put_rows(out, idx, sub)
     return out
 

@@ -66,6 +66,42 @@ def test_from_dict_errors_name_the_field():
             EngineConfig.from_dict(d)
 
 
+def test_decoding_knobs_are_type_checked_and_name_the_knob(tmp_path):
+    """A profile's knob of the wrong type once loaded (``draft_depth: 8.5`` failed every row of a
+    batch job later, ``true`` became 1); it is refused where it is read, naming the knob."""
+    from dart_ray.profiles import load_profile
+
+    for knobs, msg in [({"draft_depth": 8.5}, "draft_depth must be an integer, got 8.5"),
+                       ({"tree_budget": True}, "tree_budget must be an integer, got True"),
+                       ({"top_k": "8"}, "top_k must be an integer, got '8'"),
+                       ({"ngram_weight": "0.5"}, "ngram_weight must be a number"),
+                       ({"eps": False}, "eps must be a number")]:
+        with pytest.raises(ValueError, match=msg):
+            DecodingConfig(**knobs)
+    c = DecodingConfig(draft_depth=np.int64(4), ngram_weight=1)
+    assert type(c.draft_depth) is int and type(c.ngram_weight) is float
+    assert c == DecodingConfig(draft_depth=4, ngram_weight=1.0)
+
+    def profile(text: str) -> Path:
+        p = tmp_path / "p.yaml"
+        p.write_text(text)
+        return p
+
+    entry = "- max_batch_size: {b}\n  decoding: {{draft_depth: {d}}}\n"
+    for text, msg in [
+        ("schedule:\n" + entry.format(b=4, d=8.5), "draft_depth must be an integer"),
+        ("schedule:\n" + entry.format(b=4.9, d=3), "max_batch_size must be an integer, got 4.9"),
+        ("schedule:\n" + entry.format(b='"16"', d=3), "max_batch_size must be an integer"),
+        ("schedule:\n" + entry.format(b=4, d=3) + entry.format(b=4, d=5),
+         "increasing"),
+        ("metaa: {}\nschedule:\n" + entry.format(b=4, d=3), r"unknown keys \['metaa'\]"),
+        ("schedule:\n- {max_batch_size: 4, decoding: {}, extra_knob: 1}\n",
+         r"unknown keys \['extra_knob'\] in a schedule entry")]:
+        with pytest.raises(ValueError, match=msg):
+            load_profile(profile(text))
+    assert load_profile(profile("schedule:\n" + entry.format(b=4, d=3))).entries[0][0] == 4
+
+
 def test_paths_and_numpy_ints_are_normalised():
     c = EngineConfig(model=Path("/m"), drafter=Path("/d"), max_batch_size=np.int64(4),
                      num_threads=np.int32(2))

@@ -643,7 +643,6 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
     from batch import BatchJobConfig, OutputStore, run_batch_job
     from dart_ray import EngineConfig, SamplingParams
 
-
     cluster.ensure("node_a", "node_b")
     # the serve app above would re-create its lost replica meanwhile and take the survivor's CPUs
     # at a moment of its choosing; without it the resumed job's room on the survivor is known

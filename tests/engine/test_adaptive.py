@@ -27,7 +27,7 @@ from dart_ray.engine.cost import CostModel, load_or_measure, measure_verify_cost
 from dart_ray.models import load_target
 from dart_ray.tree import TokenTree, pack_trees
 from dart_ray.tree.search import build_trees
-from dart_ray.verify import accept, greedy_accept, sample_accept
+from dart_ray.verify import RequestRandom, accept, greedy_accept, sample_accept
 from dart_ray.verify.logits import NodeLogits, internal_nodes
 
 PROMPTS = MIXED_PROMPTS
@@ -478,15 +478,13 @@ def test_lazy_logits_give_identical_tokens_and_skip_leaves(monkeypatch):
     assert torch.equal(a.path, b.path) and torch.equal(a.bonus, b.bonus)
     assert int(a.num_accepted.max()) >= 2
     for seed in range(5):
-        gens = [torch.Generator().manual_seed(seed * 10 + i) for i in range(B)]
-        gens2 = [torch.Generator().manual_seed(seed * 10 + i) for i in range(B)]
-        s1 = sample_accept(tree, dense, 0.7, 0, 0.9, gens)
-        s2 = sample_accept(tree, NodeLogits.lazy(tree, hidden, head), 0.7, 0, 0.9, gens2)
+        rands = [RequestRandom(seed * 10 + i) for i in range(B)]
+        s1 = sample_accept(tree, dense, 0.7, 0, 0.9, rands)
+        s2 = sample_accept(tree, NodeLogits.lazy(tree, hidden, head), 0.7, 0, 0.9, rands)
         assert torch.equal(s1.path, s2.path) and torch.equal(s1.bonus, s2.bonus)
     mixed = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams()]
-    m1 = accept(tree, dense, mixed, [None, torch.Generator().manual_seed(3), None])
-    m2 = accept(tree, NodeLogits.lazy(tree, hidden, head), mixed,
-                [None, torch.Generator().manual_seed(3), None])
+    m1 = accept(tree, dense, mixed, [None, RequestRandom(3), None])
+    m2 = accept(tree, NodeLogits.lazy(tree, hidden, head), mixed, [None, RequestRandom(3), None])
     assert torch.equal(m1.path, m2.path) and torch.equal(m1.bonus, m2.bonus)
 
 
@@ -575,9 +573,9 @@ def test_lazy_logits_fill_the_first_call_with_the_best_leaves(monkeypatch):
     monkeypatch.setattr(logits_mod, "EAGER_HEAD_ROWS", 8)
     tree3 = bushy_tree(B=1)
     for seed in range(5):
-        s1 = sample_accept(tree3, dense, 0.7, 0, 0.9, [torch.Generator().manual_seed(seed)])
+        s1 = sample_accept(tree3, dense, 0.7, 0, 0.9, [RequestRandom(seed)])
         s2 = sample_accept(tree3, NodeLogits.lazy(tree3, hidden, head), 0.7, 0, 0.9,
-                           [torch.Generator().manual_seed(seed)])
+                           [RequestRandom(seed)])
         assert torch.equal(s1.path, s2.path) and torch.equal(s1.bonus, s2.bonus)
 
 

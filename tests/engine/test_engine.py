@@ -211,18 +211,43 @@ def test_stop_string_and_streaming_text(tiny, ar_out):
         assert out.text == full.text[:full.text.find(stop)]
 
 
-def test_sampling_reproducible_and_exact_for_topk1(tiny, ar_out):
-    # fixed trees: see SamplingParams.seed
-    eng = make_engine(tiny, "dart", "random", batch=2, adaptive=False)
-    sp = SamplingParams(max_new_tokens=16, temperature=0.8, seed=123, ignore_eos=True)
-    a = eng.generate(PROMPTS[:2], sp)
-    b = eng.generate(PROMPTS[:2], sp)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    ar = make_engine(tiny, "none", batch=2).generate(PROMPTS[:2], sp)
+SAMPLED = [SamplingParams(max_new_tokens=20, temperature=t, top_k=k, top_p=p, seed=s,
+                          ignore_eos=True)
+           for t, k, p, s in [(0.3, 0, 1.0, 11), (0.5, 0, 0.9, 12), (0.4, 20, 1.0, 13),
+                              (0.6, 0, 0.95, 14)]]
+
+
+def test_seeded_sampling_equals_plain_sampling_whatever_the_method_batch_and_schedule(
+        tiny, tiny_baselines):
+    """Position-keyed randomness (dart_ray.verify.randomness): a seeded request emits the tokens
+    plain sampling emits with its seed -- alone or batched, with any drafter, adaptive or fixed
+    trees, requests joining mid-run -- and the speculative runs do accept drafts."""
+    ref = [make_engine(tiny, "none", batch=1).generate(PROMPTS[i], SAMPLED[i])[0].token_ids
+           for i in range(4)]
+    assert len({tuple(x) for x in ref}) == 4
+    assert [o.token_ids for o in make_engine(tiny, "none", batch=4).generate(PROMPTS, SAMPLED)] \
+        == ref
+    # an oracle that drafts the sampled continuations: deep acceptance under sampling
+    prompt_ids = [tuple(make_engine(tiny).encode_prompt(p)) for p in PROMPTS]
+    cfg = EngineConfig(method="none", dtype="fp32", max_batch_size=4, max_seq_len=512,
+                       adaptive=False)
+    eng = Engine(tiny, OracleDrafter(dict(zip(prompt_ids, ref, strict=True))), cfg)
+    assert [o.token_ids for o in eng.generate(PROMPTS, SAMPLED)] == ref
+    assert eng.stats().mean_accepted_len > 3.0
+    for method, drafter, adaptive in [("dart", "random", True), ("dart", "random", False),
+                                      ("ngram", None, True), ("eagle", "eagle", True),
+                                      ("medusa", "medusa", False)]:
+        path = str(tiny_baselines[drafter]) if drafter in tiny_baselines else drafter
+        eng = make_engine(tiny, method, path, batch=3, adaptive=adaptive)   # 4 prompts: one waits
+        assert [o.token_ids for o in eng.generate(PROMPTS, SAMPLED)] == ref, (method, adaptive)
+        assert eng.stats().draft_tokens > 0
+
+
+def test_sampling_exact_for_topk1(tiny, ar_out):
+    eng = make_engine(tiny, "dart", "random", batch=2)
     # top_k=1 sampling is greedy: every method must reproduce AR exactly
     g = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=1, seed=1, ignore_eos=True)
     assert [o.token_ids for o in eng.generate(PROMPTS, g)] == [x[:16] for x in ar_out]
-    assert len(ar[0].token_ids) == 16
 
 
 def test_errors_and_abort(tiny):

@@ -13,7 +13,14 @@ import torch
 
 from dart_ray.config import SamplingParams
 from dart_ray.tree.tree import TokenTree, chain_tree
-from dart_ray.verify import Acceptance, accept, greedy_accept, processed_probs, sample_accept
+from dart_ray.verify import (
+    Acceptance,
+    RequestRandom,
+    accept,
+    greedy_accept,
+    processed_probs,
+    sample_accept,
+)
 
 # ----------------------------------------------------------------------------------------------
 # helpers
@@ -246,8 +253,7 @@ def random_batch(seed: int, B: int, vocab: int = 4) -> tuple[TokenTree, torch.Te
 
 def test_sample_top_k_1_equals_greedy():
     tree, lg = random_batch(1, 64)
-    gens = [torch.Generator().manual_seed(b) for b in range(64)]
-    s = sample_accept(tree, lg, 0.8, 1, 1.0, gens)
+    s = sample_accept(tree, lg, 0.8, 1, 1.0, [RequestRandom(b) for b in range(64)])
     g = greedy_accept(tree, lg)
     assert as_lists(s) == as_lists(g)
     assert int(g.num_accepted.sum()) > 20  # the comparison is not vacuous
@@ -259,8 +265,8 @@ def test_sample_reproducible_and_batch_independent():
 
     def run(rows: list[int]) -> Acceptance:
         sub = TokenTree(*(t[rows] for t in (tree.tokens, tree.parents, tree.depths, tree.valid)))
-        gens = [torch.Generator().manual_seed(100 + b) for b in rows]
-        return sample_accept(sub, lg[rows], temps[rows], 0, 1.0, gens)
+        rands = [RequestRandom(100 + b) for b in rows]
+        return sample_accept(sub, lg[rows], temps[rows], 0, 1.0, rands, [b % 3 for b in rows])
 
     full = run(list(range(16)))
     assert as_lists(full) == as_lists(run(list(range(16))))
@@ -292,8 +298,8 @@ def test_accept_mixed_batch():
         SamplingParams(temperature=1.0, top_k=3),
         SamplingParams(),
     ]
-    gens = [torch.Generator().manual_seed(b) for b in range(8)]
-    out = accept(tree, lg, params, gens)
+    rands = [RequestRandom(b) for b in range(8)]
+    out = accept(tree, lg, params, rands, list(range(8)))
     ref_g = greedy_accept(tree, lg)
     greedyish = [0, 2, 3, 5, 7]  # temperature 0, or top_k = 1
     for b in greedyish:
@@ -307,12 +313,29 @@ def test_accept_mixed_batch():
         torch.tensor([0.9, 1.3, 0.5, 1.0]),
         torch.tensor([0, 1, 0, 3]),
         torch.tensor([1.0, 1.0, 0.8, 1.0]),
-        [torch.Generator().manual_seed(b) for b in rows],
+        [RequestRandom(b) for b in rows],
+        rows,
     )
     assert out.bonus[rows].tolist() == ref_s.bonus.tolist()
     assert out.num_accepted[rows].tolist() == ref_s.num_accepted.tolist()
-    all_greedy = accept(tree, lg, [SamplingParams()] * 8, gens)
+    all_greedy = accept(tree, lg, [SamplingParams()] * 8, [None] * 8)
     assert as_lists(all_greedy) == as_lists(ref_g)
+
+
+def test_tiny_temperature_and_top_p_are_greedy_not_a_failed_batch():
+    """Valid but tiny values once failed the whole batch (float32 underflow: a temperature of
+    1e-300 became 0, 1e-40 gave inf logits, a top_p of 1e-300 kept no token)."""
+    tree, lg = random_batch(3, 4)
+    ref_g = greedy_accept(tree, lg)
+    params = [SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-40),
+              SamplingParams(temperature=1.0, top_p=1e-300), SamplingParams(temperature=1e-6)]
+    assert [p.greedy for p in params] == [True, True, False, True]
+    assert not SamplingParams(temperature=1e-5).greedy
+    out = accept(tree, lg, params, [RequestRandom(b) for b in range(4)])
+    assert as_lists(out) == as_lists(ref_g)   # top_p -> 0 keeps the most likely token alone
+    probs = processed_probs(lg[:, 0], 1.0, 0, 1e-300)
+    assert torch.equal(probs, torch.nn.functional.one_hot(lg[:, 0].argmax(-1), lg.shape[-1])
+                       .float())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,10 +379,11 @@ Sampler = Callable[..., Acceptance]
 
 
 def run_grouped(n_rows: int, n_tokens: int,
-                step: Callable[[tuple[int, ...], int], tuple[Acceptance, TokenTree]]
+                step: Callable[[tuple[int, ...], list[int]], tuple[Acceptance, TokenTree]]
                 ) -> list[tuple[int, ...]]:
     """Run ``n_rows`` independent generations until each has ``n_tokens`` tokens; each round, rows
-    sharing a prefix are verified together: ``step(prefix, B)`` -> (acceptance, tree) of B rows."""
+    sharing a prefix are verified together: ``step(prefix, rows)`` -> (acceptance, tree) of those
+    rows."""
     out: list[list[int]] = [[] for _ in range(n_rows)]
     while True:
         groups: dict[tuple[int, ...], list[int]] = {}
@@ -369,7 +393,7 @@ def run_grouped(n_rows: int, n_tokens: int,
         if not groups:
             return [tuple(t[:n_tokens]) for t in out]
         for prefix, rows in groups.items():
-            acc, tree = step(prefix, len(rows))
+            acc, tree = step(prefix, rows)
             for r, toks in zip(rows, emitted(acc, tree), strict=True):
                 out[r].extend(toks)
 
@@ -382,15 +406,19 @@ def emit(
     top_k: int,
     top_p: float,
     seed: int,
+    step_inputs: Callable[[tuple[int, ...]], tuple[TokenTree, torch.Tensor]] = toy_step_inputs,
 ) -> list[tuple[int, ...]]:
-    """``n_rows`` generations of ``n_tokens``, each group of rows verifying one batch of identical
-    trees with ``sampler``."""
-    gen = torch.Generator().manual_seed(seed)
+    """``n_rows`` generations of ``n_tokens`` (row r seeded ``seed * 1_000_003 + r``), each group
+    of rows verifying one batch of identical trees (``step_inputs``) with ``sampler``."""
+    rands = [RequestRandom(seed * 1_000_003 + r) for r in range(n_rows)]
 
-    def step(prefix: tuple[int, ...], B: int) -> tuple[Acceptance, TokenTree]:
-        t1, lg1 = toy_step_inputs(prefix)
+    def step(prefix: tuple[int, ...], rows: list[int]) -> tuple[Acceptance, TokenTree]:
+        t1, lg1 = step_inputs(prefix)
+        B = len(rows)
         tree = TokenTree(*(t.expand(B, -1) for t in (t1.tokens, t1.parents, t1.depths, t1.valid)))
-        return sampler(tree, lg1.expand(B, -1, -1), temperature, top_k, top_p, [gen] * B), tree
+        pos = [len(prefix) - len(ROOT_PREFIX)] * B            # output position after the root
+        return sampler(tree, lg1.expand(B, -1, -1), temperature, top_k, top_p,
+                       [rands[r] for r in rows], pos), tree
 
     return run_grouped(n_rows, n_tokens, step)
 
@@ -482,7 +510,7 @@ def test_sample_accept_is_lossless(temperature, top_k, top_p):
         temperature,
         top_k,
         top_p,
-        [torch.Generator().manual_seed(9)] * B,
+        [RequestRandom(9 + b) for b in range(B)],
     )
     hist = torch.bincount(acc.num_accepted, minlength=5).tolist()
     assert sum(h > 0 for h in hist) >= 3 and sum(hist[2:]) > B // 10, hist
@@ -496,7 +524,8 @@ def test_sample_accept_is_lossless(temperature, top_k, top_p):
 def _reference_sampler(rule: str) -> Sampler:
     """A per-row re-implementation of the acceptance loop with a switchable (wrong) rule."""
 
-    def sampler(tree, logits, temperature, top_k, top_p, generators) -> Acceptance:
+    def sampler(tree, logits, temperature, top_k, top_p, randoms, positions=None) -> Acceptance:
+        generators = [r.generator for r in randoms]
         probs = processed_probs(logits, temperature, top_k, top_p).double()  # [B, T, V]
         B, T = tree.tokens.shape
         width = int(tree.depths.max()) + 1
@@ -571,9 +600,11 @@ def emit_sps(n_rows: int, temperature: float, top_k: int, top_p: float, seed: in
              q_seen: Callable[[torch.Tensor], torch.Tensor] = lambda q: q) -> list[tuple[int, ...]]:
     """Rows draw a chain of GAMMA tokens from q and verify it with sample_accept; ``q_seen`` is the
     q handed to the acceptance rule (identity for the real rule)."""
-    gen = torch.Generator().manual_seed(seed)
+    rand = RequestRandom(seed)      # one sequential stream, shared: the rule draws from it
+    gen = rand.generator
 
-    def step(prefix: tuple[int, ...], B: int) -> tuple[Acceptance, TokenTree]:
+    def step(prefix: tuple[int, ...], rows: list[int]) -> tuple[Acceptance, TokenTree]:
+        B = len(rows)
         chains = torch.zeros(B, GAMMA, dtype=torch.long)
         q = torch.zeros(B, GAMMA + 1, SV)
         logits = torch.zeros(B, GAMMA + 1, SV)
@@ -588,7 +619,7 @@ def emit_sps(n_rows: int, temperature: float, top_k: int, top_p: float, seed: in
                 logits[i, j + 1] = _toy(pre)[0]
         base = chain_tree(torch.full((B,), prefix[-1]), chains)
         tree = TokenTree(base.tokens, base.parents, base.depths, base.valid, q)
-        return sample_accept(tree, logits, temperature, top_k, top_p, [gen] * B), tree
+        return sample_accept(tree, logits, temperature, top_k, top_p, [rand] * B), tree
 
     return run_grouped(n_rows, N_TOKENS, step)
 
@@ -620,7 +651,7 @@ def test_sampled_drafts_need_a_chain():
     tree = TokenTree(tree.tokens, tree.parents, tree.depths, tree.valid,
                      torch.full((1, 3, SV), 1.0 / SV))
     with pytest.raises(ValueError, match="chain"):
-        sample_accept(tree, torch.zeros(1, 3, SV), 1.0, 0, 1.0, [None])
+        sample_accept(tree, torch.zeros(1, 3, SV), 1.0, 0, 1.0, [RequestRandom(0)])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
