@@ -10,8 +10,9 @@ Supported: ``/v1/completions`` (prompt: string, token ids, or a one-element list
 (string or list), ``stop_token_ids`` / ``ignore_eos`` (vLLM extras), ``stream`` with
 ``stream_options.include_usage``, ``n`` = 1 only, and the extra ``speculative`` field
 (``true``/``false``/``{"method": <one of dart_ray.METHODS>}``). Parameters that would change the
-output in ways the engine cannot honour (logprobs, echo, suffix, penalties, logit_bias, tools, json
-mode, n > 1, best_of > 1) are rejected with 400 rather than silently ignored.
+output in ways the engine cannot honour (logprobs, echo, suffix, penalties, logit_bias, tools and
+tool messages, json mode, n > 1, best_of > 1, vLLM's min_tokens / min_p / guided decoding /
+include_stop_str_in_output / prompt_logprobs) are rejected with 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def _speculative(body: dict) -> str | None:
               "invalid_type")
 
 
-def _unsupported(body: dict) -> None:
+def _unsupported(body: dict, kind: str) -> None:
     n = _int(body, "n", 1)
     if n != 1:
         raise bad(f"only n=1 is supported, got n={n}", "n", "unsupported_value")
@@ -214,14 +215,28 @@ def _unsupported(body: dict) -> None:
                           key, "unsupported_value")
     if body.get("logit_bias"):
         raise bad("'logit_bias' is not supported", "logit_bias", "unsupported_value")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+    # completions: an integer (0 = the sampled token's logprob); chat: a boolean
+    lp = body.get("logprobs")
+    if (lp is not None and lp is not False if kind == "chat" else lp is not None) \
+            or body.get("top_logprobs") not in (None, 0):
         raise bad("'logprobs' is not supported", "logprobs", "unsupported_value")
+    # vLLM extras that change the output: refused rather than ignored
+    for key, neutral in (("min_tokens", 0), ("min_p", 0.0), ("include_stop_str_in_output", False),
+                         ("prompt_logprobs", None), ("guided_json", None), ("guided_regex", None),
+                         ("guided_choice", None), ("guided_grammar", None)):
+        v = body.get(key)
+        if v is not None and v != neutral:
+            raise bad(f"'{key}' is not supported", key, "unsupported_value")
     if body.get("echo"):
         raise bad("'echo' is not supported", "echo", "unsupported_value")
     if body.get("suffix"):
         raise bad("'suffix' is not supported", "suffix", "unsupported_value")
     if body.get("tools") or body.get("functions"):
         raise bad("tool calling is not supported", "tools", "unsupported_value")
+    for key in ("tool_choice", "function_call"):
+        if body.get(key) not in (None, "none"):
+            raise bad(f"'{key}' is only allowed when tools are specified (tool calling is not "
+                      "supported)", key)
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type", "text") == "text"):
         raise bad("only response_format {\"type\": \"text\"} is supported", "response_format",
@@ -229,7 +244,7 @@ def _unsupported(body: dict) -> None:
 
 
 def _common(body: dict, kind: str, prompt, chat: bool, max_tokens: int | None) -> GenerationRequest:
-    _unsupported(body)
+    _unsupported(body, kind)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model", "invalid_type")
@@ -239,6 +254,8 @@ def _common(body: dict, kind: str, prompt, chat: bool, max_tokens: int | None) -
     if so is not None:
         if not isinstance(so, dict):
             raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
+        if not stream:
+            raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
         include_usage = _bool(so, "include_usage", False)
     stop_ids = body.get("stop_token_ids")
     user = body.get("user")
@@ -315,6 +332,10 @@ def parse_chat(body: dict) -> GenerationRequest:
         if role not in CHAT_ROLES:
             raise bad(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}",
                       f"messages[{i}].role")
+        if role == "tool" or m.get("tool_calls") or m.get("function_call"):
+            # their ids and calls would be dropped by the chat template: refuse, not ignore
+            raise bad(f"messages[{i}]: tool messages and tool calls are not supported (tool "
+                      "calling is not supported)", f"messages[{i}]", "unsupported_value")
         out.append({"role": "system" if role == "developer" else role,
                     "content": _message_content(m, i)})
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -365,18 +386,24 @@ def completion_response(req: GenerationRequest, rid: str, created: int, model: s
 
 def chunk(req: GenerationRequest, rid: str, created: int, model: str, text: str | None,
           finish_reason: str | None = None, role: bool = False) -> dict:
+    """One streamed event; with ``include_usage`` it carries ``"usage": null`` (as OpenAI's do)
+    until the final usage chunk."""
     if req.kind == "chat":
         delta: dict = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                             "finish_reason": finish_reason}]}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text or "", "logprobs": None,
-                         "finish_reason": finish_reason}]}
+        out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                            "finish_reason": finish_reason}]}
+    else:
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                            "finish_reason": finish_reason}]}
+    if req.include_usage:
+        out["usage"] = None
+    return out
 
 
 def usage_chunk(req: GenerationRequest, rid: str, created: int, model: str, use: dict) -> dict:

@@ -636,3 +636,28 @@ def test_lane_count_stays_bounded(server):
                          {"prompt": "hi", "speculative": {"method": "ngram"}},
                          headers={"Authorization": f"Bearer {API_KEY}"})
     assert status == 400 and body["error"]["code"] == "unsupported_value"      # off by default
+
+
+def test_seeded_sampling_is_the_same_under_load_and_bad_ids_name_the_prompt(server, client):
+    """A seeded request's text does not depend on what else the replica serves (position-keyed
+    sampling); tiny temperatures are greedy, not a 500 for the whole batch; token ids outside the
+    vocabulary are a 400 on ``prompt``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seeded = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=24, temperature=0.9,
+                  seed=1234, extra_body={"ignore_eos": True})
+    alone = client.completions.create(**seeded).choices[0].text
+    others = [dict(model=MODEL_NAME, prompt=p, max_tokens=24, temperature=t,
+                   extra_body={"ignore_eos": True})
+              for p, t in (("The sea", 0.7), ("1 2 3 4 1 2 3", 1e-300), ("Hello", 1.0))]
+    with ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(client.completions.create, **o) for o in others]
+        loaded = ex.submit(client.completions.create, **seeded)
+        assert all(f.result().choices[0].finish_reason == "length" for f in futs)
+        assert loaded.result().choices[0].text == alone
+    greedy = client.completions.create(model=MODEL_NAME, prompt="1 2 3 4 1 2 3", max_tokens=24,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert futs[1].result().choices[0].text == greedy.choices[0].text
+    status, body = _http("POST", server["url"] + "/v1/completions",
+                         {"model": MODEL_NAME, "prompt": [10 ** 9], "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "prompt", body

@@ -125,8 +125,19 @@ def test_parse_completion():
     assert parse_completion({"prompt": "x", "speculative": False}).speculative == "none"
     assert parse_completion({"prompt": "x", "speculative": {"method": "ngram"}}).speculative \
         == "ngram"
-    assert parse_completion({"prompt": "x", "stream_options": {"include_usage": True}}) \
-        .include_usage is False
+    # OpenAI's 400s for what a client may think works
+    assert _err(parse_completion, {"prompt": "x", "stream_options": {"include_usage": True}}) \
+        .param == "stream_options"
+    assert _err(parse_completion, {"prompt": "x", "logprobs": 0}).code == "unsupported_value"
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": False}).chat
+    assert _err(parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": 0}) \
+        .param == "logprobs"
+    for key, value in (("min_tokens", 4), ("min_p", 0.1), ("include_stop_str_in_output", True),
+                       ("prompt_logprobs", 1), ("guided_json", {}), ("tool_choice", "auto"),
+                       ("tool_choice", {"type": "function"}), ("function_call", "auto")):
+        assert _err(parse_completion, {"prompt": "x", key: value}).param == key, key
+    assert parse_completion({"prompt": "x", "min_tokens": 0, "min_p": 0, "tool_choice": "none",
+                             "include_stop_str_in_output": False}).prompt == "x"
     assert _err(parse_completion, {}).code == "missing_required_parameter"
     assert _err(parse_completion, {"prompt": ["a", "b"]}).code == "unsupported_value"
     assert _err(parse_completion, {"prompt": 5}).code == "invalid_type"
@@ -153,6 +164,12 @@ def test_parse_chat_and_json():
     assert r.max_tokens == 7
     assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).max_tokens is None
     assert _err(parse_chat, {"messages": []}).param == "messages"
+    for m in ({"role": "tool", "content": "42", "tool_call_id": "c1"},
+              {"role": "assistant", "content": None,
+               "tool_calls": [{"id": "c1", "type": "function",
+                               "function": {"name": "f", "arguments": "{}"}}]}):
+        e = _err(parse_chat, {"messages": [{"role": "user", "content": "x"}, m]})
+        assert (e.param, e.code) == ("messages[1]", "unsupported_value")
     assert _err(parse_chat, {"messages": [{"role": "user",
                                            "content": [{"type": "image_url"}]}]}).code \
         == "unsupported_value"
@@ -175,8 +192,14 @@ def test_sse_chunks_are_the_chunk_objects_encoded():
     from deployments.protocol import SSEChunks, chunk, usage_chunk
 
     use = usage(3, 4, None, "dart")
-    for req in (parse_completion({"prompt": "x", "stream": True}),
-                parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True})):
+    with_usage = {"stream": True, "stream_options": {"include_usage": True}}
+    reqs = (parse_completion({"prompt": "x", "stream": True}),
+            parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True}),
+            parse_completion({"prompt": "x", **with_usage}),
+            parse_chat({"messages": [{"role": "user", "content": "x"}], **with_usage}))
+    assert ["usage" in chunk(r, "c", 1, "m", "t") for r in reqs] == [False, False, True, True]
+    assert chunk(reqs[3], "c", 1, "m", "t")["usage"] is None      # null until the usage chunk
+    for req in reqs:
         for model in ("tiny", 'a "quoted"\x00text\x00 name', "\x00text\x00"):
             c = SSEChunks(req, "cmpl-1", 123, model)
             for text in ("", "héllo \"wörld\"\n", "\x00text\x00", "</s>\u2028"):
