@@ -107,7 +107,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                        ngram=cfg.ngram, chat=a.chat, max_new_tokens=a.max_new_tokens,
                        batch_size=a.batch_size, dtype=cfg.dtype, threads=cfg.num_threads,
                        decoding=decoding, device=cfg.device, drafters=drafters, decodings=decodings,
-                       adaptive=cfg.adaptive)
+                       adaptive=cfg.adaptive, temperature=a.temperature, top_p=a.top_p,
+                       top_k=a.top_k, seed=a.seed)
     print(format_table(report))
     if a.out:
         write_report(report, a.out)
@@ -181,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. dart,dart@new --drafter-for dart@new=DIR: an A/B in one process)")
     b.add_argument("--chat", action="store_true")
     b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: benchmark sampling (own methods; every prompt seeded with --seed)")
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="sampling seed of every prompt")
     b.add_argument("--batch-size", type=int, default=1)
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     b.add_argument("--out", default=None, help="results JSON")

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import torch
 
-from dart_ray.config import METHOD_ALIASES, DecodingConfig, EngineConfig, SamplingParams
+from dart_ray.config import (
+    GREEDY_BELOW,
+    METHOD_ALIASES,
+    DecodingConfig,
+    EngineConfig,
+    SamplingParams,
+)
 from dart_ray.methods import method_names
 
 OWN = {**METHOD_ALIASES,
@@ -77,8 +83,14 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
               max_new_tokens: int = 128, batch_size: int = 1, dtype: str = "auto",
               threads: int | None = None, decoding: DecodingConfig | None = None, warmup: int = 1,
               progress: bool = True, device: str = "cpu", drafters: dict[str, str] | None = None,
-              decodings: dict[str, DecodingConfig] | None = None, adaptive: bool = True) -> dict:
+              decodings: dict[str, DecodingConfig] | None = None, adaptive: bool = True,
+              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+              seed: int = 0) -> dict:
     """Interleaved, same-process benchmark of ``methods`` on ``prompts`` (medians over batches).
+
+    ``temperature`` > 0 benchmarks sampling (own-engine methods only) with ``seed`` for every
+    prompt: sampling is position-keyed, so "matches ar" still compares token for token (fp32
+    exactly; bf16 up to near-boundary rounding, as for greedy near-ties).
 
     ``drafter`` is the DART drafter; ``drafters`` maps other methods to their drafter directories
     (default: shipped). ``decoding`` applies to every own-engine method unless ``decodings`` gives
@@ -108,6 +120,11 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     if stray:  # e.g. a misspelt variant would run with the default drafter: a silent wrong A/B
         raise ValueError(f"a drafter or profile is given for {stray}, which are not among the "
                          f"methods {methods}")
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=seed)
+    if not params.greedy and any(m in HF for m in methods):
+        raise ValueError(f"{[m for m in methods if m in HF]} run greedy only: drop them, or "
+                         "--temperature 0")
     if "hf-pld" in methods and batch_size != 1:
         raise ValueError("hf-pld (transformers prompt lookup) supports batch size 1 only")
     if threads:
@@ -136,7 +153,6 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
     prompt_ids = [encode_prompt(tok, p, chat) for p in prompts]
     eos = set(target.args.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None
                                             else set())
-    params = SamplingParams(max_new_tokens=max_new_tokens)
     batches = [prompt_ids[i:i + batch_size] for i in range(0, len(prompt_ids), batch_size)]
 
     def run(m: str, batch: list[list[int]]) -> list[list[int]]:
@@ -165,6 +181,8 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
             res[m].tokens.append(sum(len(o) for o in outs))
             res[m].outputs.extend(outs)
     report = {"config": {"n_prompts": len(prompts), "methods": methods, "chat": chat,
+                         "sampling": {"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                                      "seed": seed},
                          "batch_size": batch_size, "max_new_tokens": max_new_tokens, "dtype": dtype,
                          "dtype_choice": choice.to_dict(), "adaptive": adaptive,
                          "threads": torch.get_num_threads(), "model": model or "default",
@@ -270,12 +288,19 @@ def plot_report(report: dict, out: str | Path) -> None:
     plt.close(fig)
 
 
+def _sampling_note(sampling: dict | None) -> str:
+    if not sampling or sampling.get("temperature", 0.0) < GREEDY_BELOW:
+        return ""
+    return (f"; sampling temperature {sampling['temperature']} top_p {sampling['top_p']} "
+            f"top_k {sampling['top_k']} seed {sampling['seed']}")
+
+
 def format_table(report: dict) -> str:
     c = report.get("config", {})
     rows = [f"machine: {c.get('machine', '?')}; allocator {c.get('allocator', '?')}; "
             f"dtype {c.get('dtype')} "
             f"({(c.get('dtype_choice') or {}).get('reason', 'given')}); adaptive "
-            f"{c.get('adaptive')}", "",
+            f"{c.get('adaptive')}" + _sampling_note(c.get("sampling")), "",
             "| method | tok/s | speedup vs ar | tau | AR steps | draft ms | tree ms | verify ms | "
             "matches ar | max gap |",
             "|---|---|---|---|---|---|---|---|---|---|"]

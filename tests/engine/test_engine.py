@@ -401,6 +401,25 @@ def test_bench_runs_a_method_twice_as_variants(tiny_dirs, tmp_path):
         run_bench(PROMPTS[:1], ["ar", "dart@b"], drafters={"dart@c": "random"}, **kw)
 
 
+def test_bench_samples_and_still_compares_with_ar(tiny_dirs):
+    """``--temperature``: every prompt sampled with one seed; position-keyed sampling makes the
+    methods' fp32 outputs equal AR's, so "matches ar" stays a real check; transformers' methods
+    (greedy only) are refused."""
+    from dart_ray.bench.runner import format_table, run_bench
+
+    kw = {"model": str(tiny_dirs["llama"]), "drafter": "random", "ngram": "none",
+          "max_new_tokens": 12, "dtype": "fp32", "progress": False}
+    rep = run_bench(PROMPTS[:2], ["ar", "ngram", "dart"], temperature=0.8, top_p=0.95, seed=5,
+                    **kw)
+    assert all(rep["methods"][m]["outputs_match_ar"] is True for m in ("ngram", "dart"))
+    assert rep["config"]["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "seed": 5}
+    assert "sampling temperature 0.8" in format_table(rep)
+    greedy = run_bench(PROMPTS[:2], ["ar"], **kw)
+    assert greedy["methods"]["ar"]["total_tokens"] > 0
+    with pytest.raises(ValueError, match="greedy only"):
+        run_bench(PROMPTS[:1], ["ar", "hf"], temperature=0.8, **kw)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_dart_with_lookup_paths_equals_ar_and_accepts_more(tiny, ar_out, batch):
     """DART's tree with prompt-lookup paths merged in stays exact; on the repetitive prompts the
