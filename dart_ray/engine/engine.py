@@ -121,6 +121,9 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._streams: dict[str, deque[RequestOutput]] = {}
+        """Outputs of requests an open :meth:`stream` owns, produced while another stream (or
+        :meth:`generate`) was stepping: its consumer gets them at its next turn."""
         self.metrics = EngineStats()
         self.eos_ids = frozenset(self._eos_ids())
         self._maybe_pack(config.pack_weights)
@@ -578,17 +581,43 @@ class Engine:
         return ids
 
     def _drain(self, ids: list[str]) -> Iterator[RequestOutput]:
+        """Step until ``ids`` finish, yielding their outputs. Streams may interleave (two
+        iterators consumed in turns): a step's outputs for another open stream's requests are
+        queued for it, not dropped."""
+        for rid in ids:                  # now, not at the first next(): steps may run before it
+            self._streams[rid] = deque()
+        return self._drain_registered(ids)
+
+    def _drain_registered(self, ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(ids)
         try:
             while pending:
-                for o in self.step():
-                    if o.request_id in pending:
-                        yield o
-                        if o.finished:
-                            pending.discard(o.request_id)
+                mine = [o for rid in ids if rid in pending for o in self._take(rid)]
+                if not mine:
+                    # hand the other streams their outputs before yielding (and maybe pausing):
+                    # a step they run meanwhile must queue behind these
+                    for o in self.step():
+                        if o.request_id in pending:
+                            mine.append(o)
+                        elif o.request_id in self._streams:
+                            self._streams[o.request_id].append(o)
+                for o in mine:
+                    yield o
+                    if o.finished:
+                        pending.discard(o.request_id)
         finally:
+            for rid in ids:
+                self._streams.pop(rid, None)
             for rid in list(pending):  # consumer stopped early: do not leak rows
                 self.abort(rid)
+
+    def _take(self, rid: str) -> list[RequestOutput]:
+        q = self._streams.get(rid)
+        if not q:
+            return []
+        out = list(q)
+        q.clear()
+        return out
 
     def stream(self, prompts: PromptLike | Sequence[PromptLike],
                params: SamplingParams | Sequence[SamplingParams] | None = None,

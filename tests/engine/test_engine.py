@@ -250,6 +250,24 @@ def test_sampling_exact_for_topk1(tiny, ar_out):
     assert [o.token_ids for o in eng.generate(PROMPTS, g)] == [x[:16] for x in ar_out]
 
 
+def test_interleaved_streams_lose_nothing(tiny, ar_out):
+    """Two ``Engine.stream`` iterators consumed in turns: a step run by one yields the other's
+    outputs later, none dropped."""
+    eng = make_engine(tiny, "dart", "random", batch=4)
+    a = eng.stream(PROMPTS[:2], GREEDY)
+    b = eng.stream(PROMPTS[2:], GREEDY)
+    got: dict[str, list[int]] = {}
+    live = [a, b]
+    while live:
+        for it in list(live):
+            o = next(it, None)
+            if o is None:
+                live.remove(it)
+                continue
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert sorted(got.values()) == sorted(ar_out) and not eng.has_unfinished()
+
+
 def test_errors_and_abort(tiny):
     eng = make_engine(tiny, "dart", "random", batch=2, seq=128)
     with pytest.raises(PromptTooLongError):
