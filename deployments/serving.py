@@ -277,11 +277,11 @@ class DartRayServer:
             async for o in agen:
                 track.output(o)
                 last = o
+                if o.finished:          # counted before the yield: a consumer may stop at it
+                    track.finished(o)
                 yield o
-            if last is not None:
-                track.finished(last)
         except (asyncio.CancelledError, GeneratorExit):
-            if track is not None and last is not None:
+            if track is not None and last is not None and not last.finished:
                 # the caller went away: aclose() below aborts the request
                 track.aborted(last)
             raise

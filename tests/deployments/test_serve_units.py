@@ -854,3 +854,49 @@ def test_ingress_reports_an_engine_error_after_output_in_band():
     status, _, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x"})
     assert status == 500 and json.loads(body)["error"]["code"] == "engine_error"
     assert all(s.cancelled for s in engine.streams) and ingress.metrics.errors == {"500": 2}
+
+
+def test_a_consumer_that_stops_at_the_finished_output_counts_as_finished():
+    """The replica's generate counts a request's end when its finished output passes, so a
+    consumer that stops there (without pulling the end of the stream) is not an abort."""
+    import asyncio
+    import types
+
+    from dart_ray.engine.request import RequestOutput, RequestStats
+    from deployments.serving import DartRayServer
+
+    outs = [RequestOutput(request_id="r", new_token_ids=[1], new_text="a", finished=False,
+                          finish_reason=None, num_prompt_tokens=2, num_generated_tokens=1,
+                          stats=RequestStats()),
+            RequestOutput(request_id="r", new_token_ids=[2], new_text="b", finished=True,
+                          finish_reason="length", num_prompt_tokens=2, num_generated_tokens=2,
+                          stats=RequestStats())]
+
+    async def stream(*a, **kw):
+        for o in outs:
+            yield o
+
+    async def lane(speculative):
+        return "main"
+
+    async def prepare(req):
+        return [5, 6]
+
+    metrics = ServerMetrics("tiny")
+    fake = types.SimpleNamespace(
+        _check_model=lambda m: None, _check_prompt_size=lambda r: None, _lane=lane,
+        _prepare=prepare, _params=lambda req, n: SamplingParams(max_new_tokens=2),
+        server_metrics=metrics, aengine=types.SimpleNamespace(stream=stream),
+        args=types.SimpleNamespace(retry_after_s=1.0))
+    gen_fn = DartRayServer.func_or_class.generate
+
+    async def consume(stop_at_finished: bool) -> None:
+        agen = gen_fn(fake, parse_completion({"prompt": "x"}), "r")
+        async for o in agen:
+            if stop_at_finished and o.finished:
+                break
+        await agen.aclose()
+
+    asyncio.run(consume(True))
+    asyncio.run(consume(False))
+    assert metrics.requests["length"] == 2 and metrics.requests["abort"] == metrics.aborted == 0
