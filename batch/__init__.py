@@ -6,8 +6,20 @@
 Importing this package does not import Ray (the job imports it when it runs).
 """
 
-from batch.generator import OUTPUT_COLUMNS, DartGenerator, engine_config_from_dict, row_seed
-from batch.job import BatchJobConfig, DuplicateIdError, JobSummary, run_batch_job
+from batch.generator import (
+    OUTPUT_COLUMNS,
+    DartGenerator,
+    EngineFailure,
+    engine_config_from_dict,
+    row_seed,
+)
+from batch.job import (
+    BatchJobConfig,
+    DuplicateIdError,
+    InputChangedError,
+    JobSummary,
+    run_batch_job,
+)
 from batch.store import OutputStore
 
 __all__ = [
@@ -15,6 +27,8 @@ __all__ = [
     "BatchJobConfig",
     "DartGenerator",
     "DuplicateIdError",
+    "EngineFailure",
+    "InputChangedError",
     "JobSummary",
     "OutputStore",
     "engine_config_from_dict",

@@ -5,8 +5,8 @@
 
 Rerunning with the same ``--output`` after a crash or kill resumes: only ids not yet committed
 are generated, and the output ends up with every input id exactly once. Exit status: 0 when the
-output is complete (error rows count as complete), 1 when ids are missing or duplicated,
-2 on bad arguments or input.
+output is complete (error rows count as complete), 1 when ids are missing or duplicated or the
+engine kept failing, 2 on bad arguments or input (or an output directory that is not this job's).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from batch.generator import EngineFailure
 from batch.job import BatchJobConfig, run_batch_job
 from batch.store import CorruptPartError, OutputBusyError
 from batch.watchdog import PipelineStalled
@@ -33,7 +34,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     io.add_argument("--id-column", default="id",
                     help="unique row id; if the input lacks it, ids are row numbers in file order")
     io.add_argument("--force", action="store_true",
-                    help="resume into an output written with other generation settings")
+                    help="resume into an output written by a different job (other settings, "
+                         "input files or prompts): committed rows are kept as they are")
     g = p.add_argument_group("generation")
     g.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -101,10 +103,13 @@ def batch_cli(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     try:
         summary = run_batch_job(cfg, ray_init=ray_init_kwargs(a))
-    except (ValueError, KeyError, FileNotFoundError, OutputBusyError, CorruptPartError,
-            PipelineStalled) as e:
+    except (ValueError, KeyError, FileNotFoundError, NotADirectoryError, OutputBusyError,
+            CorruptPartError, PipelineStalled) as e:
         print(f"dart-ray batch: error: {e}", file=sys.stderr)
         return 2
+    except EngineFailure as e:  # the output is incomplete, as with missing ids
+        print(f"dart-ray batch: error: {e}", file=sys.stderr)
+        return 1
     finally:
         _shutdown_ray()
     print(summary.format())

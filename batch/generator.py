@@ -15,7 +15,10 @@ Use it in your own Ray Data pipelines::
 
 Each call takes a batch (pyarrow Table, pandas DataFrame or dict of numpy arrays), keeps its
 columns and adds :data:`OUTPUT_COLUMNS`. A bad row -- null, empty or non-string prompt, prompt
-longer than the context -- gets its ``error`` set and null outputs; it never fails the batch.
+longer than the context -- gets its ``error`` set and null outputs; it never fails the batch. A
+failure of the engine itself (an exception from ``Engine.generate``) is no row's fault: it fails
+the whole batch with :class:`EngineFailure`, so no row is recorded as done and the batch can be
+retried.
 
 Valid prompts are tokenised once, checked with the engine's own ``check_prompt`` (``generate`` of a
 list is all or nothing), then decoded together by ``Engine.generate`` (continuous batching, up to
@@ -23,8 +26,9 @@ list is all or nothing), then decoded together by ``Engine.generate`` (continuou
 (what ``dart-ray generate`` runs) exactly in fp32; in bf16, rows decoded together can round
 differently and part ways at a near-tie (the engine is not batch-invariant in bf16), so use
 ``max_batch_size=1`` when bf16 outputs must match single requests bit for bit.
-With ``seed`` set, row r samples with seed ``row_seed(seed, id_r)``, so sampled outputs do not
-depend on how rows were batched or scheduled.
+With ``seed`` set, row r samples with seed ``row_seed(seed, id_r)``; sampling is position-keyed
+(:mod:`dart_ray.verify.randomness`), so sampled outputs do not depend on how rows were batched,
+on the tree sizes the adaptive controller chose or on a resume (in bf16 with the caveat above).
 
 This module imports no Ray: the class is plain Python and can be tested without a cluster.
 """
@@ -80,6 +84,10 @@ def row_seed(seed: int, row_id: Any) -> int:
     """The sampling seed of one row: ``seed`` plus a stable 63-bit hash of ``str(row_id)``."""
     h = int.from_bytes(hashlib.blake2b(str(row_id).encode(), digest_size=8).digest(), "little")
     return (seed + h) % (1 << 63)
+
+
+class EngineFailure(RuntimeError):
+    """The engine itself failed while generating a batch (not a bad row): the batch fails."""
 
 
 @dataclass
@@ -197,9 +205,6 @@ class DartGenerator:
         stats = BatchStats(rows=n)
         t0 = time.perf_counter()
         for i, c in zip(todo, self._generate(ids, params), strict=True):
-            if isinstance(c, Exception):
-                rows[i]["error"] = f"{type(c).__name__}: {c}"
-                continue
             rows[i].update(generated_text=c.text, num_prompt_tokens=c.num_prompt_tokens,
                            num_completion_tokens=len(c.token_ids), finish_reason=c.finish_reason,
                            mean_accepted_len=float(c.stats.mean_accepted_len),
@@ -231,24 +236,19 @@ class DartGenerator:
         return dataclasses.replace(self.sampling, seed=row_seed(self.seed, key))
 
     def _generate(self, ids: list[list[int]], params: list[SamplingParams]) -> list:
-        """Completions for validated token ids; on an engine failure, rows are retried one by one
-        on a rebuilt engine and a row that fails alone gets its exception instead."""
+        """Completions for validated token ids. An engine failure is not a property of a row: it
+        fails the whole batch (:class:`EngineFailure`), so that nothing is recorded for its rows
+        and the batch is run again (by Ray, or by the batch job's resume)."""
         if not ids:
             return []
         try:
             return self.engine.generate(ids, params)
-        except Exception:
-            log.exception("engine failed on a batch of %d rows; retrying row by row", len(ids))
-        self.engine = self._build_engine()
-        out: list = []
-        for toks, p in zip(ids, params, strict=True):
-            try:
-                out.append(self.engine.generate([toks], [p])[0])
-            except Exception as e:
-                log.exception("engine failed on one row")
-                out.append(e)
-                self.engine = self._build_engine()
-        return out
+        except Exception as e:
+            err = EngineFailure(f"the engine failed on a batch of {len(ids)} rows: "
+                                f"{type(e).__name__}: {e}")
+            log.exception("%s; rebuilding it for the next batch", err)
+            self.engine = self._build_engine()   # its state may be broken: start the next clean
+            raise err from e
 
 
 def _schedule(profile) -> DecodingSchedule | DecodingConfig | None:

@@ -16,11 +16,18 @@ Exactly once, across kills and reruns:
 
 1. Input ids must be unique and non-null (checked up front; a duplicate is an error, not silently
    dropped, since the rows may differ). Without an id column, ids are 0-based row numbers over the
-   input files in sorted path order (the driver reads the input to number it).
+   input files in sorted path order (the driver reads the input to number it); the manifest then
+   records the files and their row counts, and a rerun with other files is refused (a file added
+   or removed renumbers the rows).
 2. The driver locks the output directory, waits until no worker of an earlier run is alive, deletes
-   half-written temp files, and reads the ids in the committed parts.
+   half-written temp files, and reads the ids in the committed parts. A resumed run checks that the
+   committed rows' prompts are the input's prompts for those ids (another input with the same ids
+   is refused, unless forced).
 3. Only the remaining ids are processed; each batch is committed atomically under a name derived
-   from its ids, so a retried batch replaces its own part.
+   from its ids, so a retried batch replaces its own part. A bad row (null, empty, non-string or
+   too long prompt) is committed as an error row; a failure of the engine itself fails its batch
+   (nothing is committed for it) and the job reruns the pipeline from the committed parts, at most
+   ``max_resumes`` times, then fails.
 4. At the end the committed ids are checked against the input: every id exactly once, or the job
    reports what is missing/duplicated and fails.
 
@@ -40,7 +47,9 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +58,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from batch.generator import OUTPUT_SCHEMA, BatchStats, DartGenerator
+from batch.generator import OUTPUT_COLUMNS, OUTPUT_SCHEMA, BatchStats, DartGenerator, EngineFailure
 from batch.store import OutputStore, id_report, retry_report
 from batch.watchdog import PipelineStalled, consume
 from dart_ray import EngineConfig, SamplingParams, actor_allocator_env, init_ray, load_profile
@@ -70,6 +79,11 @@ together follow scheduling anyway (fp32 outputs do not depend on them; see
 
 class DuplicateIdError(ValueError):
     """The input holds an id more than once (or a null id)."""
+
+
+class InputChangedError(ValueError):
+    """The output directory's committed rows were generated from other prompts than the input's
+    (the same ids, another input)."""
 
 
 @dataclass
@@ -109,7 +123,9 @@ class BatchJobConfig:
     """Automatic resumes after a stall within one call; beyond them the job fails (rerun
     resumes)."""
     force: bool = False
-    """Resume into a directory written with other generation settings."""
+    """Resume into a directory written by a different job: other generation settings, other input
+    files (row-number ids) or other prompts for committed ids. The committed rows are kept as they
+    are and only ids not yet committed are generated."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -124,19 +140,34 @@ class BatchJobConfig:
             raise ValueError(f"stall_timeout_s must be > 0 or None, got {self.stall_timeout_s}")
         if self.max_resumes < 0:
             raise ValueError(f"max_resumes must be >= 0, got {self.max_resumes}")
+        for what, name in (("prompt_column", self.prompt_column), ("id_column", self.id_column)):
+            if name in OUTPUT_COLUMNS:
+                raise ValueError(f"{what} {name!r} is the name of an output column (the output has "
+                                 f"{', '.join(OUTPUT_COLUMNS)}); use an input column of another "
+                                 f"name")
+        if self.prompt_column == self.id_column:
+            raise ValueError(f"prompt_column and id_column are both {self.prompt_column!r}")
 
-    def manifest(self, ids: str) -> dict:
+    def manifest(self, ids: str, profile: dict | None = None,
+                 input_files: list | None = None) -> dict:
         """Settings that determine the outputs (a resumed run must match them): the engine's
         fingerprint (``EngineConfig.fingerprint``, keys ``engine.<field>``) less
-        :data:`MANIFEST_EXCLUDES`, and the generation settings."""
+        :data:`MANIFEST_EXCLUDES`, the generation settings, the decoding knobs of the profile
+        (``profile``: its ``DecodingSchedule.to_dict()``; its ``schedule`` is recorded) and, with
+        row-number ids, the input files with their row counts (``input_files``)."""
         s = self.sampling
         engine = {f"engine.{k}": v
                   for k, v in self.engine.fingerprint(exclude=MANIFEST_EXCLUDES).items()}
-        return {**engine, "chat": self.chat,
-                "prompt_column": self.prompt_column, "id_column": self.id_column, "ids": ids,
-                "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                "top_k": s.top_k, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
-                "ignore_eos": s.ignore_eos, "seed": self.seed}
+        m = {**engine, "chat": self.chat,
+             "prompt_column": self.prompt_column, "id_column": self.id_column, "ids": ids,
+             "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+             "top_k": s.top_k, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
+             "ignore_eos": s.ignore_eos, "seed": self.seed}
+        if profile is not None:     # absent (not null) without one: older manifests still match
+            m["profile"] = json.loads(json.dumps(profile["schedule"]))
+        if input_files is not None:
+            m["input_files"] = [list(x) for x in input_files]
+        return m
 
 
 @dataclass
@@ -184,6 +215,10 @@ class JobSummary:
         o = self.output
         return o.get("missing") == 0 and o.get("duplicated") == 0
 
+    engine_failures: int = 0
+    """Times this run's pipeline failed on an engine error and was rerun from the committed
+    parts."""
+
     def add(self, st: dict) -> None:
         for k in ("rows", "errors", "prompt_tokens", "completion_tokens", "steps",
                   "accepted_tokens"):
@@ -208,7 +243,9 @@ class JobSummary:
              f"in all"),
             (f"  retried: {self.retried_rows} rows ({self.retries.get('in_run', 0)} after a lost "
              f"worker/node, {self.retries.get('from_interrupted_run', 0)} left unfinished by an "
-             f"interrupted run); resumed after a stall: {self.resumes}x"),
+             f"interrupted run); resumed after a stall: {self.resumes}x"
+             + (f", after an engine failure: {self.engine_failures}x"
+                if self.engine_failures else "")),
         ]
         if self.ok:
             lines.append(f"  output: {o['expected']} ids, each exactly once")
@@ -243,6 +280,70 @@ def resolve_input(path: str) -> tuple[list[str], str]:
     raise FileNotFoundError(path)
 
 
+def check_layout(cfg: BatchJobConfig) -> None:
+    """Refuse an output directory equal to or inside the input directory: a rerun would read the
+    job's own parts as input."""
+    inp, out = Path(cfg.input).resolve(), Path(cfg.output).resolve()
+    if inp.is_dir() and (out == inp or inp in out.parents):
+        raise ValueError(f"output {cfg.output} is inside the input directory {cfg.input}: a rerun "
+                         f"would read the job's own parts as input. Choose an output directory "
+                         f"outside the input")
+
+
+def decode_dictionaries(table: pa.Table) -> pa.Table:
+    """Dictionary-encoded columns (pandas categoricals) as plain columns of their value type."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_dictionary(f.type):
+            col = table.column(i)
+            plain = pa.chunked_array([c.dictionary_decode() for c in col.chunks],
+                                     type=f.type.value_type)
+            table = table.set_column(i, f.name, plain)
+    return table
+
+
+def prompt_strings(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Prompts as the output stores them: strings, null for null, ``str(value)`` for other
+    values."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        return col.cast(pa.string())
+    return pa.array([p if p is None or isinstance(p, str) else str(p) for p in col.to_pylist()],
+                    pa.string())
+
+
+def _read_file(path: str, fmt: str, columns: list[str] | None = None) -> pa.Table:
+    """One input file, dictionary columns decoded; an unreadable file is a ValueError naming it."""
+    try:
+        if fmt == "parquet":
+            t = pq.read_table(path, columns=columns)
+        else:
+            t = pajson.read_json(path)
+            if columns is not None:
+                t = t.select(columns)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"cannot read input file {path}: {e}") from e
+    return decode_dictionaries(t)
+
+
+def _concat(tables: list[pa.Table], files: list[str]) -> pa.Table:
+    """Concatenate per-file tables; files that disagree on a column's type are a ValueError
+    naming them."""
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
+        seen: dict[str, dict[str, str]] = {}
+        for f, t in zip(files, tables, strict=True):
+            for field_ in t.schema:
+                seen.setdefault(field_.name, {}).setdefault(str(field_.type), f)
+        bad = [f"column {name!r} is " + " but ".join(f"{ty} in {f}" for ty, f in types.items())
+               for name, types in seen.items() if len(types) > 1]
+        raise ValueError(f"input files disagree on column types ({'; '.join(bad) or e}); give "
+                         f"each column one type in every file") from e
+
+
 def _has_column(schemas: list[list[str]], column: str) -> bool:
     """Whether every input file has ``column`` (an error if only some do)."""
     present = [column in names for names in schemas]
@@ -267,7 +368,7 @@ def check_unique_ids(ids: pa.Array) -> None:
 def _prepare(table: pa.Table, id_column: str, prompt_column: str, id_type: pa.DataType,
              done: pa.Array | None) -> pa.Table:
     """Keep id and prompt, give the id the input-wide type, drop ids already committed."""
-    table = table.select([id_column, prompt_column])
+    table = decode_dictionaries(table.select([id_column, prompt_column]))
     ids = table.column(id_column).cast(id_type)
     table = table.set_column(0, id_column, ids)
     if done is not None and len(done):
@@ -296,10 +397,8 @@ class _PartWriter:
             ids = table.column(self.id_column).cast(self.schema.field(0).type)
             self.store.record_attempt(ids, self.id_column)    # counts retries; decides nothing
             out, st = self.generator.process(table)
-            prompts = [p if p is None or isinstance(p, str) else str(p)
-                       for p in table.column(self.prompt_column).to_pylist()]
-            part = pa.Table.from_arrays([ids, pa.array(prompts, pa.string()), *out.columns],
-                                        schema=self.schema)
+            prompts = prompt_strings(table.column(self.prompt_column))
+            part = pa.Table.from_arrays([ids, prompts, *out.columns], schema=self.schema)
             self.store.write_part(part, self.id_column)
         return pa.Table.from_pylist([dataclasses.asdict(st)])
 
@@ -313,52 +412,117 @@ class _Input:
     ids: pa.Array
     numbered: pa.Table | None
     """Without an id column: the whole input (prompt + row-number id), read on the driver."""
+    file_rows: list[tuple[str, int]] | None = None
+    """Without an id column: (file relative to the input, rows) in numbering order (recorded in
+    the manifest)."""
+    json_tables: list[pa.Table] | None = None
+
+    def tables(self, columns: list[str]) -> Iterator[pa.Table]:
+        """The input's ``columns`` (the id column first), one table per file (one table in all
+        with row-number ids), ids of the input-wide type."""
+        if self.numbered is not None:
+            parts: Iterator[pa.Table] = iter([self.numbered.select(columns)])
+        elif self.json_tables is not None:
+            parts = (decode_dictionaries(t.select(columns)) for t in self.json_tables)
+        else:
+            parts = (_read_file(f, self.fmt, columns) for f in self.files)
+        for t in parts:
+            yield t.set_column(0, columns[0], t.column(0).cast(self.ids.type))
 
 
 def _load_input(cfg: BatchJobConfig) -> _Input:
     """Check the input's columns and read its ids on the driver (parquet: the id column only;
-    JSON Lines: the whole files, so prefer parquet for very large inputs)."""
+    JSON Lines: the whole files, so prefer parquet for very large inputs). Dictionary-encoded
+    columns (pandas categoricals) are decoded; unreadable files and files whose columns disagree
+    on type are a ValueError naming them."""
     files, fmt = resolve_input(cfg.input)
+    json_tables = None
     if fmt == "parquet":
-        schemas = [pq.read_schema(f).names for f in files]
+        schemas = []
+        for f in files:
+            try:
+                schemas.append(pq.read_schema(f).names)
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"cannot read input file {f}: {e}") from e
 
-        def read(cols: list[str]) -> pa.Table:
-            return pa.concat_tables([pq.read_table(f, columns=cols) for f in files],
-                                    promote_options="permissive")
+        def read(cols: list[str]) -> list[pa.Table]:
+            return [_read_file(f, fmt, cols) for f in files]
     else:
-        tables = [pajson.read_json(f) for f in files]
-        schemas = [t.column_names for t in tables]
+        json_tables = [_read_file(f, fmt) for f in files]
+        schemas = [t.column_names for t in json_tables]
 
-        def read(cols: list[str]) -> pa.Table:
-            return pa.concat_tables([t.select(cols) for t in tables], promote_options="permissive")
+        def read(cols: list[str]) -> list[pa.Table]:
+            return [t.select(cols) for t in json_tables]
     if not _has_column(schemas, cfg.prompt_column):
         raise ValueError(f"input has no prompt column {cfg.prompt_column!r}")
+    file_rows = None
     if _has_column(schemas, cfg.id_column):
-        ids = read([cfg.id_column]).column(0).combine_chunks()
+        ids = _concat(read([cfg.id_column]), files).column(0).combine_chunks()
         numbered = None
     else:
         log.warning("input has no %r column: ids are row numbers over %d file(s) in path order",
                     cfg.id_column, len(files))
-        numbered = read([cfg.prompt_column])
-        numbered = numbered.append_column(cfg.id_column,
-                                          pa.array(range(numbered.num_rows), pa.int64()))
+        tables = read([cfg.prompt_column])
+        root = Path(cfg.input) if Path(cfg.input).is_dir() else Path(cfg.input).parent
+        file_rows = [(os.path.relpath(f, root), t.num_rows)
+                     for f, t in zip(files, tables, strict=True)]
+        numbered = _concat(tables, files)
+        numbered = pa.table({cfg.id_column: pa.array(range(numbered.num_rows), pa.int64()),
+                             cfg.prompt_column: numbered.column(0)})
         ids = numbered.column(cfg.id_column).combine_chunks()
     check_unique_ids(ids)
-    return _Input(files, fmt, ids, numbered)
+    return _Input(files, fmt, ids, numbered, file_rows, json_tables)
+
+
+def check_committed_prompts(store: OutputStore, cfg: BatchJobConfig, inp: _Input) -> None:
+    """Refuse (:class:`InputChangedError`) committed rows whose prompt is not the input's prompt
+    for the same id: the output was written from another input. Forced: a warning."""
+    committed = store.read([cfg.id_column, cfg.prompt_column])
+    cids = committed.column(0).combine_chunks().cast(inp.ids.type)
+    cprompts = prompt_strings(committed.column(1))
+    bad = 0
+    examples: list = []
+    for t in inp.tables([cfg.id_column, cfg.prompt_column]):
+        pos = pc.index_in(cids, value_set=t.column(0).combine_chunks())
+        here = pc.is_valid(pos)
+        if not pc.any(here).as_py():
+            continue
+        mine = cprompts.filter(here)
+        theirs = prompt_strings(t.column(1)).take(pos.filter(here))
+        same = pc.or_(pc.fill_null(pc.equal(mine, theirs), False),
+                      pc.and_(pc.is_null(mine), pc.is_null(theirs)))
+        differ = pc.invert(same)
+        bad += int(pc.sum(differ).as_py() or 0)
+        if len(examples) < 5:
+            examples += cids.filter(here).filter(differ).to_pylist()[:5 - len(examples)]
+    if not bad:
+        return
+    msg = (f"{bad} committed row(s) in {store.root} have another prompt than the input row with "
+           f"the same id (e.g. ids {examples}): the output was written from another input")
+    if cfg.force:
+        log.warning("%s; forced: the committed rows are kept as they are", msg)
+        return
+    raise InputChangedError(f"{msg}. Use another output directory, or pass force to keep the "
+                            f"committed rows as they are")
 
 
 def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSummary:
     """Run (or resume) the job; returns its summary. Starts Ray with ``ray_init`` if needed."""
     profile = load_profile(cfg.profile).to_dict() if cfg.profile else None  # workers get a dict
+    check_layout(cfg)
     store = OutputStore(cfg.output)
+    required = (cfg.prompt_column, *OUTPUT_COLUMNS)     # a part of this job has them all
     with store.driver_session(cfg.stale_worker_timeout_s):
         inp = _load_input(cfg)
-        store.check_manifest(cfg.manifest(ROW_NUMBER if inp.numbered is not None else "column"),
+        store.check_manifest(cfg.manifest(ROW_NUMBER if inp.numbered is not None else "column",
+                                          profile=profile, input_files=inp.file_rows),
                              force=cfg.force)
         stale = store.clear_tmp()
         if stale:
             log.info("deleted %d half-written part(s) of an earlier run", stale)
-        committed = store.committed_ids(cfg.id_column)
+        committed = store.committed_ids(cfg.id_column, required)
+        if committed is not None:
+            check_committed_prompts(store, cfg, inp)
         unfinished = _unfinished_attempts(store, cfg.id_column, committed)
         store.clear_attempts()
         before = id_report(inp.ids, committed)
@@ -380,15 +544,54 @@ def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSumma
                 summary.resumes += 1
                 log.warning("%s; resuming from the committed parts (%d/%d)", e, summary.resumes,
                             cfg.max_resumes)
-                store.wait_for_workers(cfg.stale_worker_timeout_s)  # the stopped actors' locks
-                store.clear_tmp()
-                committed = store.committed_ids(cfg.id_column)
-                missing = id_report(inp.ids, committed)["missing"]
-        summary.output = id_report(inp.ids, store.committed_ids(cfg.id_column))
+            except Exception as e:
+                failure = engine_failure(e)
+                if failure is None:
+                    raise
+                if summary.engine_failures >= cfg.max_resumes:
+                    raise EngineFailure(
+                        f"{failure} (the pipeline was run {summary.engine_failures + 1} time(s), "
+                        f"failing each time). The committed parts are kept: fix the cause and "
+                        f"rerun the job to resume") from e
+                summary.engine_failures += 1
+                log.warning("%s; rerunning the pipeline from the committed parts (%d/%d)", failure,
+                            summary.engine_failures, cfg.max_resumes)
+            store.wait_for_workers(cfg.stale_worker_timeout_s)  # the stopped actors' locks
+            store.clear_tmp()
+            committed = store.committed_ids(cfg.id_column, required)
+            missing = id_report(inp.ids, committed)["missing"]
+        summary.output = id_report(inp.ids, store.committed_ids(cfg.id_column, required))
         summary.retries = retry_report(store.attempted_ids(cfg.id_column), unfinished)
         summary.retried_rows = summary.retries["rows"]
         (store.meta / "last_run.json").write_text(json.dumps(summary.to_dict(), indent=2))
         return summary
+
+
+def engine_failure(e: BaseException) -> EngineFailure | None:
+    """The :class:`EngineFailure` behind ``e``, or None. Ray Data raises a failed batch wrapped
+    in its own exceptions (``RayTaskError(UserCodeException)`` in Ray 2.60, whose chain no longer
+    holds the actor's exception but whose text ends with its traceback): the chain is searched
+    for the exception, then its text for the traceback's last line."""
+    stack: list = [e]
+    seen: set[int] = set()
+    found = None
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if type(x) is EngineFailure:
+            return x
+        if isinstance(x, EngineFailure) and found is None:
+            found = x           # Ray's RayTaskError subclassing the cause: prefer the plain one
+        stack += [x.__cause__, x.__context__, getattr(x, "cause", None)]
+    if found is not None:
+        return found
+    tag = f"{EngineFailure.__module__}.{EngineFailure.__qualname__}: "
+    for line in reversed(str(e).splitlines()):
+        if line.startswith(tag):
+            return EngineFailure(line[len(tag):])
+    return None
 
 
 def _unfinished_attempts(store: OutputStore, id_column: str,
@@ -414,10 +617,15 @@ def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa
 
     init_ray(**(ray_init or {}))    # a Ray started here: workers not niced below others
     total = ray.cluster_resources().get("CPU", 1.0)
+    largest = max((n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes()
+                   if n.get("Alive")), default=total)
     cpus = cfg.num_cpus_per_actor
-    if cpus is None:
+    if cpus is None:    # no more than one node has (no CPU node yet: an autoscaler may add one)
         cpus = max(0.25, (total - 1.0) / cfg.concurrency)
-    elif cpus * cfg.concurrency > total - 1.0:
+        cpus = min(cpus, largest) if largest > 0 else cpus
+    elif largest > 0:
+        check_actor_cpus(cpus, largest)
+    if cfg.num_cpus_per_actor is not None and cpus * cfg.concurrency > total - 1.0:
         log.warning("the actors declare %.2f of the cluster's %.0f CPUs; Ray Data's file listing "
                     "needs one free CPU, so the job may stall", cpus * cfg.concurrency, total)
     actors = _actors_that_fit(cfg.concurrency, cpus)
@@ -437,6 +645,15 @@ def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa
         _execute(cfg, store, inp, done, remaining, summary, cpus, actors, gen_kwargs)
     finally:
         ctx.enable_progress_bars = ray_bars
+
+
+def check_actor_cpus(cpus: float, largest_node_cpus: float) -> None:
+    """An actor declaring more CPUs than the largest node has could never start (Ray Data would
+    wait for it until the stall guard gives up): refuse at once."""
+    if cpus > largest_node_cpus + 1e-9:
+        raise ValueError(f"num_cpus_per_actor={cpus:g}, but the largest node of the Ray cluster "
+                         f"has {largest_node_cpus:g} CPUs: no engine actor could start. Use at "
+                         f"most {largest_node_cpus:g}")
 
 
 def engine_actor_options(engine: EngineConfig) -> dict:

@@ -40,7 +40,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -72,6 +72,8 @@ class OutputStore:
         self.workers_lock_path = self.meta / "workers.lock"
 
     def create(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"output {self.root} is a file, not a directory")
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.attempts.mkdir(parents=True, exist_ok=True)
 
@@ -80,13 +82,29 @@ class OutputStore:
         """Committed parts, sorted by name (temporary files never match)."""
         return sorted(self.root.glob(PART_GLOB))
 
-    def committed_ids(self, id_column: str) -> pa.ChunkedArray | None:
-        """Every id in the committed parts (duplicates kept), or None when there is no part yet."""
+    def committed_ids(self, id_column: str,
+                      required: Sequence[str] = ()) -> pa.ChunkedArray | None:
+        """Every id in the committed parts (duplicates kept), or None when there is no part yet.
+
+        Raises :class:`CorruptPartError` for a part that cannot be read or lacks ``id_column`` or
+        one of the ``required`` columns (the job passes its output columns: a file named like a
+        part but written by something else is not counted as done)."""
         paths = self.part_paths()
         if not paths:
             return None
         chunks = []
         for p in paths:
+            try:
+                names = pq.read_schema(p).names
+            except Exception as e:
+                raise CorruptPartError(
+                    f"cannot read committed part {p}: {e}. It was not written by dart-ray "
+                    f"batch's atomic commit; remove it and rerun") from e
+            lacking = [c for c in (id_column, *required) if c not in names]
+            if lacking:
+                raise CorruptPartError(
+                    f"committed part {p} lacks the job's column(s) {lacking} (it has {names}): it "
+                    f"was not written by this dart-ray batch job; remove it and rerun")
             try:
                 chunks.append(pq.read_table(p, columns=[id_column]).column(0))
             except Exception as e:
@@ -163,11 +181,40 @@ class OutputStore:
     # ---- manifest ------------------------------------------------------------------------------
     def check_manifest(self, manifest: dict, force: bool = False) -> None:
         """Record ``manifest`` on the first run; on a rerun refuse a different one (unless
-        forced)."""
-        if self.manifest_path.exists() and not force:
+        forced).
+
+        * No manifest yet: the directory must hold no part file (``part-*.parquet`` files of
+          another writer, a Spark job say, would otherwise count as committed rows); refused even
+          when forced.
+        * A manifest but no committed part (an earlier run failed before committing anything):
+          nothing can be mixed, so ``manifest`` replaces it.
+        * A manifest and committed parts: a different ``manifest`` is refused (naming the
+          differences) unless ``force``; forced, ``manifest`` replaces it. A changed
+          ``input_files`` (row-number ids, see ``batch.job``) gets its own message.
+        """
+        parts = self.part_paths()
+        if not self.manifest_path.exists():
+            if parts:
+                names = ", ".join(p.name for p in parts[:3])
+                raise ValueError(
+                    f"{self.root} holds {len(parts)} part-*.parquet file(s) ({names}"
+                    f"{', ...' if len(parts) > 3 else ''}) but no dart-ray batch manifest "
+                    f"({META_DIR}/job.json): it is not the output of a dart-ray batch job. Use a "
+                    f"new or empty output directory")
+        elif parts and not force:
             old = json.loads(self.manifest_path.read_text())
             diff = {k: (old.get(k), manifest.get(k)) for k in sorted(set(old) | set(manifest))
                     if old.get(k) != manifest.get(k)}
+            files = diff.pop("input_files", None)
+            if files is not None and "ids" not in diff:
+                raise ValueError(
+                    f"{self.root} was written from other input files (ids are row numbers over "
+                    f"the sorted input files, so adding, removing or changing a file renumbers "
+                    f"the rows): (file, rows) was {files[0]!r}, now {files[1]!r}. Use another "
+                    f"output directory or give the input an id column (or pass force to keep the "
+                    f"committed rows as they are)")
+            if files is not None:
+                diff["input_files"] = files
             if diff:
                 lines = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
                 raise ValueError(

@@ -139,6 +139,29 @@ def test_dart_method_is_lossless_against_plain_single_requests(engine_config, re
     assert all(r["mean_accepted_len"] >= 1.0 for r in out)
 
 
+def test_an_engine_failure_fails_the_batch_without_a_rebuild_per_row(engine_config, monkeypatch):
+    """An exception from the engine is no row's fault: the batch fails (its rows are not recorded
+    as error rows, which would be committed as done), with one engine rebuilt for the next batch,
+    not one per row. Bad rows stay error rows."""
+    from batch import EngineFailure
+
+    gen = DartGenerator(engine_config, max_new_tokens=2)
+    builds = []
+    monkeypatch.setattr(gen, "_build_engine", lambda: builds.append(1) or gen.engine)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(gen.engine, "generate", broken)
+    table = pa.table({"id": _ids(4), "prompt": ["Hello", None, "there", ""]})
+    with pytest.raises(EngineFailure, match="batch of 2 rows: RuntimeError: CUDA error"):
+        gen.process(table)
+    assert builds == [1]
+    out, st = gen.process(table.take([1, 3]))      # only bad rows: the engine is not called
+    assert st.errors == 2 and out.column("error").to_pylist() == [
+        "ValueError: prompt is null", "ValueError: prompt is empty"]
+
+
 def test_profile_by_path(tmp_path, engine_config):
     path = save_profile(DecodingSchedule.constant(DecodingConfig(draft_depth=4), "t"),
                         tmp_path / "p.yaml")
@@ -243,6 +266,7 @@ def test_bad_input_is_refused_before_any_work(tmp_path, engine_config):
     store = OutputStore(tmp_path / "o3")
     store.create()
     store.check_manifest({"max_new_tokens": 64})
+    store.write_part(pa.table({"id": ["z"]}), "id")  # committed rows (without, it is replaced)
     ok = tmp_path / "ok.parquet"
     pq.write_table(pa.table({"id": ["a"], "prompt": ["x"]}), ok)
     with pytest.raises(ValueError, match="other settings"):
@@ -281,6 +305,7 @@ def test_manifest_is_the_engine_fingerprint_and_the_generation_settings(tmp_path
     store = OutputStore(tmp_path / "o")
     store.create()
     store.check_manifest(m)
+    store.write_part(pa.table({"id": ["z"]}), "id")
     with pytest.raises(ValueError, match=r"engine.adaptive: True -> False"):
         other = dataclasses.replace(cfg, engine=cfg.engine.replace(adaptive=False))
         store.check_manifest(other.manifest("column"))
@@ -429,6 +454,19 @@ def test_a_busy_cluster_runs_the_job_with_fewer_actors(tmp_path, engine_config, 
         ray_local.kill(squatter)
     assert summary.ok and summary.resumes == 0 and summary.rows == n
     assert sorted(OutputStore(cfg.output).read(columns=["id"]).column("id").to_pylist()) == ids
+
+
+def test_an_actor_larger_than_every_node_fails_at_once(tmp_path, engine_config, ray_local):
+    inp = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"id": _ids(2), "prompt": ["a", "b"]}), inp)
+    cfg = BatchJobConfig(input=str(inp), output=str(tmp_path / "out"),
+                         engine=EngineConfig(**engine_config), num_cpus_per_actor=3.0,
+                         progress=False, stall_timeout_s=60.0, max_resumes=0)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="largest node of the Ray cluster has 2 CPUs"):
+        run_batch_job(cfg)
+    assert time.monotonic() - t0 < 30
+    assert OutputStore(cfg.output).committed_ids("id") is None
 
 
 def test_dart_generator_in_a_user_pipeline(engine_config, ref_engine, ray_local):
