@@ -219,7 +219,8 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
             entry["outputs_match_ar"] = r.outputs == ar_out
             entry["n_mismatch"] = sum(a != b for a, b in zip(r.outputs, ar_out, strict=True))
             if m != "ar" and entry["n_mismatch"]:
-                gaps = divergence_gaps(target.model, prompt_ids, ar_out, r.outputs)
+                gaps = divergence_gaps(target.model, prompt_ids, ar_out, r.outputs,
+                                       None if params.greedy else params)
                 entry["divergence_gaps"] = gaps
                 token_gaps = [abs(g) for g in gaps if g is not None]
                 entry["max_divergence_gap"] = max(token_gaps) if token_gaps else None
@@ -233,14 +234,21 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
 
 @torch.inference_mode()
 def divergence_gaps(model, prompt_ids: list[list[int]], ref: list[list[int]],
-                    outs: list[list[int]]) -> list[float | None]:
+                    outs: list[list[int]], sampling: SamplingParams | None = None
+                    ) -> list[float | None]:
     """For each output that differs from the reference (AR), the target's logit gap between the two
     tokens at the first divergence: ``logit[ref token] - logit[other token]``, from one forward over
     prompt + the common prefix. A gap near the bf16 resolution of the logits (~0.1) means the two
     runs split on a numerical near-tie; a wrong token would show a gap of whole logits (either sign:
     negative when this forward prefers the other run's token). None where one output is a prefix of
-    the other (a length cut, not a token choice)."""
+    the other (a length cut, not a token choice).
+
+    ``sampling`` (position-keyed, every prompt with its seed): the distance between the position's
+    uniform and the nearer edge of the other token's CDF interval in this forward's processed
+    distribution -- near 0 (the bf16 rounding of the probabilities) when the runs split at a CDF
+    boundary, up to ~1 for a wrong token."""
     from dart_ray.masks import attention_mask, causal_ancestors
+    from dart_ray.verify import RequestRandom, processed_probs
 
     gaps = []
     dev = model.embed.weight.device
@@ -260,7 +268,14 @@ def divergence_gaps(model, prompt_ids: list[list[int]], ref: list[list[int]],
         out = model(seq, torch.arange(T, device=dev)[None], mask, cache, starts=[0],
                     logits_at=torch.tensor([[T - 1]], device=dev))
         logits = out.logits[0, 0].float()                                  # [V]
-        gaps.append(float(logits[a[j]] - logits[b[j]]))
+        if sampling is None:
+            gaps.append(float(logits[a[j]] - logits[b[j]]))
+            continue
+        probs = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        cdf = probs.double().cumsum(0)                                     # [V]
+        u = RequestRandom(sampling.seed).uniform(j) * float(cdf[-1])
+        lo, hi = (float(cdf[b[j] - 1]) if b[j] > 0 else 0.0), float(cdf[b[j]])
+        gaps.append(0.0 if lo <= u < hi else min(abs(u - lo), abs(u - hi)))
     return gaps
 
 
@@ -292,7 +307,8 @@ def _sampling_note(sampling: dict | None) -> str:
     if not sampling or sampling.get("temperature", 0.0) < GREEDY_BELOW:
         return ""
     return (f"; sampling temperature {sampling['temperature']} top_p {sampling['top_p']} "
-            f"top_k {sampling['top_k']} seed {sampling['seed']}")
+            f"top_k {sampling['top_k']} seed {sampling['seed']} (max gap: the uniform's distance "
+            "to the other run's token's CDF interval at the first divergence)")
 
 
 def format_table(report: dict) -> str:

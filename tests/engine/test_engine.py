@@ -432,8 +432,20 @@ def test_bench_samples_and_still_compares_with_ar(tiny_dirs):
     assert all(rep["methods"][m]["outputs_match_ar"] is True for m in ("ngram", "dart"))
     assert rep["config"]["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "seed": 5}
     assert "sampling temperature 0.8" in format_table(rep)
-    greedy = run_bench(PROMPTS[:2], ["ar"], **kw)
-    assert greedy["methods"]["ar"]["total_tokens"] > 0
+    # at a divergence the bench measures how far the position's uniform is from the other
+    # token's CDF interval: 0 for the token AR sampled there (the same uniform), > 0 otherwise
+    from dart_ray.bench.runner import divergence_gaps
+    from dart_ray.models import load_target
+
+    target = load_target(kw["model"], "fp32", max_seq_len=512)
+    sp = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5)
+    eng = Engine(target, make_drafter(EngineConfig(method="none", dtype="fp32"), target),
+                 EngineConfig(method="none", dtype="fp32", max_seq_len=512))
+    ids = eng.encode_prompt(PROMPTS[0])
+    a = eng.generate([ids], sp)[0].token_ids
+    b = a[:5] + [(a[5] + 1) % target.args.vocab_size] + a[6:]
+    assert divergence_gaps(target.model, [ids], [b], [a], sp) == [0.0]
+    assert 0.0 < divergence_gaps(target.model, [ids], [a], [b], sp)[0] <= 1.0
     with pytest.raises(ValueError, match="greedy only"):
         run_bench(PROMPTS[:1], ["ar", "hf"], temperature=0.8, **kw)
 
