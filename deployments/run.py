@@ -146,6 +146,24 @@ def build_application(import_path: str, args: dict | None):
     raise TypeError(f"{import_path} is neither a serve.Application nor an application builder")
 
 
+def check_profile(profile: str | None, local: bool) -> None:
+    """Load an application's decoding profile here, before Ray or any replica starts, so a typo
+    or a malformed file is an error at the command rather than a replica that fails to start. A
+    profile not found here is an error for a local run (its replicas read the same files) and a
+    warning on a cluster (its nodes may hold it)."""
+    if profile is None:
+        return
+    from dart_ray import load_profile
+
+    try:
+        load_profile(profile)
+    except FileNotFoundError as e:
+        if local:
+            raise
+        logger.warning("profile %r is not readable here (%s); the replicas resolve it on their "
+                       "nodes", profile, e)
+
+
 def run_local(config_path: str | os.PathLike | None = None, host: str | None = "127.0.0.1",
               port: int | None = 8000, temp_dir: str | None = None, blocking: bool = True,
               overrides: dict[str, Any] | None = None,
@@ -171,6 +189,9 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
         args.update(overrides or {})
         apps.append((a.get("name") or "default", a.get("route_prefix", "/"), a["import_path"],
                      args))
+
+    for _, _, _, args in apps:
+        check_profile(args.get("profile"), local=address is None)
 
     import ray
     from ray import serve

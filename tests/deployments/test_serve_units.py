@@ -900,3 +900,24 @@ def test_a_consumer_that_stops_at_the_finished_output_counts_as_finished():
     asyncio.run(consume(True))
     asyncio.run(consume(False))
     assert metrics.requests["length"] == 2 and metrics.requests["abort"] == metrics.aborted == 0
+
+
+def test_serve_checks_the_profile_before_starting_anything(tmp_path, caplog, capsys):
+    """A missing or malformed --profile fails `dart-ray serve` at once (exit 2), not at replica
+    start; on a cluster (--address) a profile not readable here is left to the replicas."""
+    from deployments.cli import serve_cli
+    from deployments.run import check_profile
+
+    check_profile(None, local=True)
+    check_profile("chat", local=True)                        # a shipped profile, by name
+    with pytest.raises(FileNotFoundError):
+        check_profile(str(tmp_path / "nope.yaml"), local=True)
+    with caplog.at_level("WARNING"):
+        check_profile(str(tmp_path / "nope.yaml"), local=False)
+    assert "resolve it on their nodes" in caplog.text
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schedule:\n- {max_batch_size: 4, decoding: {draft_depth: 8.5}}\n")
+    with pytest.raises(ValueError, match="draft_depth must be an integer"):
+        check_profile(str(bad), local=False)
+    assert serve_cli(["--method", "dart", "--profile", str(bad)]) == 2
+    assert "draft_depth must be an integer" in capsys.readouterr().err
