@@ -18,8 +18,9 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -80,6 +81,26 @@ def encode_prompt(tokenizer, prompt: PromptLike, chat: bool = False) -> list[int
         return list(prompt)
     raise TypeError("prompt must be a non-empty string, a list of chat messages, or a list of "
                     "token ids")
+
+
+class _Stream:
+    """What :meth:`Engine.stream` returns: an iterator over the outputs that, when closed or
+    garbage-collected -- also before its first ``next`` -- closes its stream in the engine."""
+
+    def __init__(self, gen: Iterator[RequestOutput], close: Callable[[list[str]], None],
+                 ids: list[str]) -> None:
+        self._gen = gen
+        self._finalizer = weakref.finalize(self, close, list(ids))
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+        self._finalizer()
 
 
 class Engine:
@@ -289,7 +310,10 @@ class Engine:
         if req.row >= 0:
             self._release([req])
         self.requests.pop(request_id, None)
-        return self._output(req, [], "")
+        out = self._output(req, [], "")
+        if request_id in self._streams:        # an open stream owns it: it ends with this output
+            self._streams[request_id].append(out)
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -580,19 +604,29 @@ class Engine:
             raise
         return ids
 
-    def _drain(self, ids: list[str]) -> Iterator[RequestOutput]:
+    def _drain(self, ids: list[str]) -> _Stream:
         """Step until ``ids`` finish, yielding their outputs. Streams may interleave (two
         iterators consumed in turns): a step's outputs for another open stream's requests are
-        queued for it, not dropped."""
+        queued for it, not dropped. Closing the stream, or dropping it (even before its first
+        ``next``), aborts what it has not finished."""
         for rid in ids:                  # now, not at the first next(): steps may run before it
             self._streams[rid] = deque()
-        return self._drain_registered(ids)
+        return _Stream(self._drain_registered(ids), self._close_stream, ids)
+
+    def _close_stream(self, ids: list[str]) -> None:
+        for rid in ids:
+            self._streams.pop(rid, None)
+        for rid in ids:                  # unfinished ones: do not leak rows (no-op if finished)
+            self.abort(rid)
 
     def _drain_registered(self, ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(ids)
         try:
             while pending:
                 mine = [o for rid in ids if rid in pending for o in self._take(rid)]
+                if not mine and not any(rid in self.requests for rid in pending):
+                    raise RuntimeError(f"requests {sorted(pending)} left the engine without a "
+                                       "final output")
                 if not mine:
                     # hand the other streams their outputs before yielding (and maybe pausing):
                     # a step they run meanwhile must queue behind these
@@ -606,10 +640,7 @@ class Engine:
                     if o.finished:
                         pending.discard(o.request_id)
         finally:
-            for rid in ids:
-                self._streams.pop(rid, None)
-            for rid in list(pending):  # consumer stopped early: do not leak rows
-                self.abort(rid)
+            self._close_stream(ids)      # consumer stopped early: do not leak rows
 
     def _take(self, rid: str) -> list[RequestOutput]:
         q = self._streams.get(rid)

@@ -268,6 +268,25 @@ def test_interleaved_streams_lose_nothing(tiny, ar_out):
     assert sorted(got.values()) == sorted(ar_out) and not eng.has_unfinished()
 
 
+def test_a_dropped_or_aborted_stream_frees_its_requests(tiny):
+    """A stream dropped before its first ``next`` aborts its requests (no row kept computing, no
+    outputs queued for it); aborting a request an open stream owns ends that stream."""
+    import gc
+
+    eng = make_engine(tiny, "dart", "random", batch=4)
+    dropped = eng.stream(PROMPTS[:2], GREEDY)
+    rids = list(eng._streams)
+    del dropped
+    gc.collect()
+    assert not eng._streams and not any(r in eng.requests for r in rids)
+    assert [o.token_ids for o in eng.generate(PROMPTS[2:], GREEDY)] and not eng._streams
+    it = eng.stream(PROMPTS[0], SamplingParams(max_new_tokens=200, ignore_eos=True))
+    first = next(it)
+    assert eng.abort(first.request_id).finish_reason == "abort"
+    rest = list(it)                                         # ends: once it spun forever
+    assert rest[-1].finish_reason == "abort" and not eng.has_unfinished()
+
+
 def test_errors_and_abort(tiny):
     eng = make_engine(tiny, "dart", "random", batch=2, seq=128)
     with pytest.raises(PromptTooLongError):
