@@ -76,6 +76,65 @@ def _per_row(value: torch.Tensor | float, like: torch.Tensor, dtype: torch.dtype
     return t.reshape(tuple(t.shape) + (1,) * (like.dim() - t.dim()))
 
 
+TOP_CANDIDATES = 1024
+"""Tokens a top-k / top-p filter looks at first, with one ``topk`` instead of a sort of the whole
+vocabulary; rows whose filter reaches past them (k > 1024, a nucleus wider than 1024 tokens) fall
+back to a full sort, row by row. Both give the same tokens (``tests/verify/test_acceptance.py``)."""
+
+
+def _kept_mask(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, need_p: bool) -> torch.Tensor:
+    """``[..., V]`` bool mask of the tokens top-k / top-p keep, decided among each row's
+    :data:`TOP_CANDIDATES` largest logits where they suffice, by a full sort elsewhere."""
+    V = x.shape[-1]
+    C = min(V, TOP_CANDIDATES)
+    one = x.shape[:-1] + (1,)
+    kk = torch.where((k > 0) & (k < V), k, V).expand(one)                 # [..., 1] effective k
+    pp = p.expand(one)                                                     # [..., 1]
+    vals, idx = x.topk(C, dim=-1)                                          # [..., C] descending
+    rank = torch.arange(C, device=x.device)                                # [C]
+    keep = rank < kk                                                       # [..., C]
+    ok = kk <= C                              # every top-k token is a candidate
+    if need_p:
+        # the distribution top_p reads: the top-k renormalised one, or the whole
+        norm = torch.where(kk <= C,
+                           torch.logsumexp(vals.masked_fill(~keep, float("-inf")), -1, True),
+                           torch.logsumexp(x, -1, True))                   # [..., 1]
+        csum = torch.exp(vals - norm).masked_fill(~keep, 0.0).cumsum(dim=-1)   # [..., C]
+        before = torch.cat([torch.zeros_like(csum[..., :1]), csum[..., :-1]], dim=-1)
+        # rank 0 always stays: a top_p that underflows float32 (e.g. 1e-300) keeps it alone
+        keep = keep & ((before < pp) | (pp >= 1.0) | (rank == 0))
+        # no top-k and the nucleus closes inside the candidates: decided here too
+        ok = ok | ((kk == V) & (pp < 1.0) & (csum[..., -1:] >= pp))
+    unfiltered = (kk >= V) & (pp >= 1.0)                                   # [..., 1] keep all
+    mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter(-1, idx, keep)
+    mask = mask | unfiltered
+    wide = ~(ok | unfiltered)[..., 0]                                      # [...]
+    if bool(wide.any()):
+        # these rows' filter reaches past the candidates: a full sort, of those rows only, so
+        # which path decides a row depends on the row alone, not on the rows beside it
+        mask[wide] = _kept_by_full_sort(x[wide], kk[wide], pp[wide], True, need_p)
+    return mask
+
+
+def _kept_by_full_sort(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, need_k: bool,
+                       need_p: bool) -> torch.Tensor:
+    """``[n, V]`` the same mask from a sort of the whole vocabulary (``k``, ``p``: ``[n, 1]`` or
+    scalars)."""
+    V = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [..., V]
+    rank = torch.arange(V, device=x.device)  # [V]
+    keep = torch.ones_like(sorted_x, dtype=torch.bool)  # [..., V] in sorted order
+    if need_k:
+        keep = keep & (rank < torch.where(k > 0, k, V))
+    if need_p:
+        sp = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
+        csum = sp.cumsum(dim=-1)
+        # exclusive cumulative mass: a token stays if the more likely ones sum to < top_p
+        before = torch.cat([torch.zeros_like(csum[..., :1]), csum[..., :-1]], dim=-1)
+        keep = keep & ((before < p) | (p >= 1.0) | (rank == 0))
+    return torch.zeros_like(keep).scatter(-1, order, keep)  # [..., V] back in vocab order
+
+
 def processed_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor | float,
@@ -103,20 +162,7 @@ def processed_probs(
     need_k = bool(((k > 0) & (k < V)).any())
     need_p = bool((p < 1.0).any())
     if need_k or need_p:
-        sorted_x, order = x.sort(dim=-1, descending=True)  # [..., V]
-        rank = torch.arange(V, device=x.device)  # [V]
-        keep = torch.ones_like(sorted_x, dtype=torch.bool)  # [..., V] in sorted order
-        if need_k:
-            keep = keep & (rank < torch.where(k > 0, k, V))
-        if need_p:
-            sp = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
-            csum = sp.cumsum(dim=-1)
-            # exclusive cumulative mass: a token stays if the more likely ones sum to < top_p
-            before = torch.cat([torch.zeros_like(csum[..., :1]), csum[..., :-1]], dim=-1)
-            # rank 0 always stays: a top_p that underflows float32 (e.g. 1e-300) keeps it alone
-            keep = keep & ((before < p) | (p >= 1.0) | (rank == 0))
-        mask = torch.zeros_like(keep).scatter(-1, order, keep)  # [..., V] back in vocab order
-        x = x.masked_fill(~mask, float("-inf"))
+        x = x.masked_fill(~_kept_mask(x, k, p, need_p), float("-inf"))
     return torch.softmax(x, dim=-1)
 
 

@@ -322,6 +322,32 @@ def test_accept_mixed_batch():
     assert as_lists(all_greedy) == as_lists(ref_g)
 
 
+def test_top_k_top_p_among_candidates_equal_the_full_sort():
+    """processed_probs decides top-k / top-p among the 1024 largest logits (one topk) and sorts
+    the whole vocabulary only for rows whose filter reaches past them; the kept tokens equal the
+    full sort's, and a row's result does not depend on the rows beside it."""
+    from dart_ray.verify import acceptance as acc_mod
+
+    g = torch.Generator().manual_seed(0)
+    V, n = 5000, 96
+    scale = torch.tensor([0.3, 1.0, 3.0, 8.0]).repeat(n // 4)[:, None]     # flat .. peaked rows
+    x = torch.randn(n, V, generator=g, dtype=torch.float64).float() * scale
+    ks = torch.tensor([0, 1, 5, 50, 2000, 0])[torch.arange(n) % 6]
+    ps = torch.tensor([1.0, 0.9, 0.5, 0.95, 1e-30, 0.99, 0.7])[torch.arange(n) % 7]
+    t = torch.full((n,), 0.9)
+    got = processed_probs(x, t, ks, ps)
+    ref = torch.softmax((x / 0.9).masked_fill(
+        ~acc_mod._kept_by_full_sort(x / 0.9, ks[:, None], ps[:, None], True, True),
+        float("-inf")), dim=-1)
+    assert torch.equal(got > 0, ref > 0)
+    torch.testing.assert_close(got, ref)
+    wide = (ks == 2000) | ((ks == 0) & (ps < 1) & (scale[:, 0] < 1))
+    assert bool(wide.any()) and bool((~wide).any())            # both paths ran
+    for r in range(0, n, 7):                                   # alone == in the batch, bitwise
+        assert torch.equal(processed_probs(x[r:r + 1], t[r:r + 1], ks[r:r + 1], ps[r:r + 1]),
+                           got[r:r + 1])
+
+
 def test_tiny_temperature_and_top_p_are_greedy_not_a_failed_batch():
     """Valid but tiny values once failed the whole batch (float32 underflow: a temperature of
     1e-300 became 0, 1e-40 gave inf logits, a top_p of 1e-300 kept no token)."""
