@@ -601,6 +601,41 @@ def test_wrong_rules_fail_the_lossless_test(rule, temperature, top_k, top_p):
     assert min(pvals) < 1e-3, pvals
 
 
+class _Remapped:
+    """A RequestRandom whose positions are remapped (a deliberately wrong position key)."""
+
+    def __init__(self, rand: RequestRandom, remap: Callable[[int], int]) -> None:
+        self.rand, self.remap = rand, remap
+
+    def uniform(self, position: int, stream: int = 0) -> float:
+        return self.rand.uniform(self.remap(position), stream)
+
+
+def _wrong_positions(kind: str) -> Sampler:
+    def sampler(tree, logits, temperature, top_k, top_p, randoms, positions=None) -> Acceptance:
+        if kind == "positions_ignored":          # every step draws its first token at position 0
+            positions = None
+        elif kind == "off_by_one":               # a step's first draw reuses the last uniform
+            positions = [max(x - 1, 0) for x in positions]
+        elif kind == "no_level_increment":       # every level of a step shares one uniform
+            randoms = [_Remapped(r, lambda q, base=pos: base)
+                       for r, pos in zip(randoms, positions, strict=True)]
+        elif kind == "seed_shared_by_rows":      # rows perfectly correlated
+            randoms = [RequestRandom(5)] * len(randoms)
+        return sample_accept(tree, logits, temperature, top_k, top_p, randoms, positions)
+
+    return sampler
+
+
+@pytest.mark.parametrize("kind", ["positions_ignored", "off_by_one", "no_level_increment",
+                                  "seed_shared_by_rows"])
+def test_wrong_position_keys_fail_the_lossless_test(kind):
+    """Negative controls of position keying: each misuse of (seed, position) fails the same
+    chi-square test the real rule passes."""
+    pvals = check_lossless(_wrong_positions(kind), 1.0, 0, 1.0, seed=1234, n_rows=4000)
+    assert min(pvals) < 1e-3, pvals
+
+
 def test_reference_sampler_correct_rule_passes():
     """The same reference loop with the correct rule passes (controls fail for the rule only)."""
     pvals = check_lossless(_reference_sampler("correct"), 1.0, 0, 1.0, seed=77, n_rows=4000)
