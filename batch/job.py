@@ -44,6 +44,8 @@ nodes; on one machine any local path does.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import hashlib
 import json
 import logging
 import math
@@ -474,27 +476,35 @@ def _load_input(cfg: BatchJobConfig) -> _Input:
     return _Input(files, fmt, ids, numbered, file_rows, json_tables)
 
 
+def _digest(prompt: str | None) -> bytes | None:
+    return None if prompt is None else hashlib.blake2b(prompt.encode(), digest_size=8).digest()
+
+
 def check_committed_prompts(store: OutputStore, cfg: BatchJobConfig, inp: _Input) -> None:
     """Refuse (:class:`InputChangedError`) committed rows whose prompt is not the input's prompt
-    for the same id: the output was written from another input. Forced: a warning."""
-    committed = store.read([cfg.id_column, cfg.prompt_column])
-    cids = committed.column(0).combine_chunks().cast(inp.ids.type)
-    cprompts = prompt_strings(committed.column(1))
+    for the same id: the output was written from another input. Forced: a warning.
+
+    String prompts only (any other type is an error row, and Ray Data may read a JSONL number
+    differently from the driver); an 8-byte digest per input row, then one committed part at a
+    time, so the driver holds ~100 bytes per row, not the prompts."""
+    expected: dict = {}
+    for t in inp.tables([cfg.id_column, cfg.prompt_column]):
+        col = t.column(1)
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            return
+        expected.update(zip(t.column(0).to_pylist(), map(_digest, col.to_pylist()),
+                            strict=True))
     bad = 0
     examples: list = []
-    for t in inp.tables([cfg.id_column, cfg.prompt_column]):
-        pos = pc.index_in(cids, value_set=t.column(0).combine_chunks())
-        here = pc.is_valid(pos)
-        if not pc.any(here).as_py():
-            continue
-        mine = cprompts.filter(here)
-        theirs = prompt_strings(t.column(1)).take(pos.filter(here))
-        same = pc.or_(pc.fill_null(pc.equal(mine, theirs), False),
-                      pc.and_(pc.is_null(mine), pc.is_null(theirs)))
-        differ = pc.invert(same)
-        bad += int(pc.sum(differ).as_py() or 0)
-        if len(examples) < 5:
-            examples += cids.filter(here).filter(differ).to_pylist()[:5 - len(examples)]
+    for path in store.part_paths():
+        part = pq.read_table(path, columns=[cfg.id_column, cfg.prompt_column])
+        ids = part.column(0).cast(inp.ids.type).to_pylist()
+        for i, prompt in zip(ids, part.column(1).to_pylist(), strict=True):
+            want = expected.get(i, _digest(prompt))
+            if not isinstance(prompt, (str, type(None))) or want != _digest(prompt):
+                bad += 1
+                if len(examples) < 5:
+                    examples.append(i)
     if not bad:
         return
     msg = (f"{bad} committed row(s) in {store.root} have another prompt than the input row with "
@@ -556,6 +566,9 @@ def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSumma
                 summary.engine_failures += 1
                 log.warning("%s; rerunning the pipeline from the committed parts (%d/%d)", failure,
                             summary.engine_failures, cfg.max_resumes)
+            # a failed pipeline's actors live on while its exception's traceback (a reference
+            # cycle) holds their handles, and so do their worker locks: collect it first
+            gc.collect()
             store.wait_for_workers(cfg.stale_worker_timeout_s)  # the stopped actors' locks
             store.clear_tmp()
             committed = store.committed_ids(cfg.id_column, required)

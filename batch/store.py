@@ -37,6 +37,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import time
 import uuid
@@ -57,6 +58,13 @@ class OutputBusyError(RuntimeError):
 
 class CorruptPartError(RuntimeError):
     """A committed part cannot be read (it was not written by this module's atomic commit)."""
+
+
+log = logging.getLogger(__name__)
+
+UNRECORDED_BEFORE = ("input_files", "profile")
+"""Manifest keys older versions did not write: absent from a manifest, they are unknown (taken
+from this run), not a change of settings."""
 
 
 class OutputStore:
@@ -203,8 +211,17 @@ class OutputStore:
                     f"new or empty output directory")
         elif parts and not force:
             old = json.loads(self.manifest_path.read_text())
+            unknown = [k for k in UNRECORDED_BEFORE if k not in old and k in manifest]
+            if unknown:
+                # written by a version that did not record these: unknown, not different (the
+                # committed prompts are still compared with the input's)
+                log.warning("%s: its manifest does not record %s (an older dart-ray wrote it); "
+                            "taking this run's and recording them", self.root, unknown)
+                old = {**old, **{k: manifest[k] for k in unknown}}
             diff = {k: (old.get(k), manifest.get(k)) for k in sorted(set(old) | set(manifest))
                     if old.get(k) != manifest.get(k)}
+            if not diff and unknown:
+                self._write_manifest(manifest)
             files = diff.pop("input_files", None)
             if files is not None and "ids" not in diff:
                 raise ValueError(
@@ -221,6 +238,9 @@ class OutputStore:
                     f"{self.root} holds output of a job with other settings ({lines}). Use another "
                     f"output directory, or pass force to mix them")
             return
+        self._write_manifest(manifest)
+
+    def _write_manifest(self, manifest: dict) -> None:
         tmp = self.meta / f"job.json.{uuid.uuid4().hex}.tmp"
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
         os.replace(tmp, self.manifest_path)

@@ -4,6 +4,7 @@ manifest of a failed first run, bad input through the CLI, engine failures of th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from batch.job import (
     engine_failure,
 )
 from batch.store import CorruptPartError
-from dart_ray import DecodingConfig, DecodingSchedule, save_profile
+from dart_ray import DecodingConfig, DecodingSchedule, SamplingParams, save_profile
 
 
 def _commit(store: OutputStore, ids: list, prompts: list, id_type: pa.DataType | None = None):
@@ -82,6 +83,31 @@ def test_another_input_with_the_same_ids_is_refused_unless_forced(tmp_path, capl
     forced = run_batch_job(BatchJobConfig(input=str(in2), output=out, progress=False, force=True))
     assert forced.ok and forced.rows == 0                      # kept as they are, as asked
     assert "forced" in caplog.text
+
+
+def test_non_string_prompts_and_older_manifests_are_not_a_changed_input(tmp_path, caplog):
+    """JSONL numbers reach the workers as Ray Data reads them (7 -> "7.0"): prompts that are not
+    strings (error rows anyway) are not compared. A manifest written before input files and
+    profiles were recorded takes this run's, with a warning, instead of refusing a rerun of the
+    same job; a real change is still refused."""
+    numbers = tmp_path / "n.jsonl"
+    numbers.write_text('{"id": 1, "prompt": 7}\n{"id": 2, "prompt": 9}\n')
+    cfg = BatchJobConfig(input=str(numbers), output=str(tmp_path / "o1"), progress=False)
+    _first_run(cfg, [1, 2], ["7.0", "9.0"])
+    check_committed_prompts(OutputStore(cfg.output), cfg, _load_input(cfg))   # no error
+
+    d = tmp_path / "in"
+    d.mkdir()
+    pq.write_table(pa.table({"prompt": ["b0", "b1"]}), d / "b.parquet")
+    cfg = BatchJobConfig(input=str(d), output=str(tmp_path / "o2"), progress=False)
+    store = _first_run(cfg, [0, 1], ["b0", "b1"])
+    old = json.loads(store.manifest_path.read_text())
+    del old["input_files"]                                   # as the previous version wrote it
+    store.manifest_path.write_text(json.dumps(old))
+    assert run_batch_job(cfg).ok and "does not record ['input_files']" in caplog.text
+    assert json.loads(store.manifest_path.read_text())["input_files"] == [["b.parquet", 2]]
+    with pytest.raises(ValueError, match="other settings"):
+        run_batch_job(dataclasses.replace(cfg, sampling=SamplingParams(max_new_tokens=99)))
 
 
 def test_the_profile_is_part_of_the_manifest(tmp_path):
