@@ -187,6 +187,18 @@ class OutputStore:
         return n
 
     # ---- manifest ------------------------------------------------------------------------------
+    def refuse_foreign_parts(self) -> None:
+        """Part files but no manifest: another writer's output (a Spark job, say), whose files
+        would count as committed rows; refused even when forced."""
+        parts = self.part_paths() if self.root.is_dir() else []
+        if parts and not self.manifest_path.exists():
+            names = ", ".join(p.name for p in parts[:3])
+            raise ValueError(
+                f"{self.root} holds {len(parts)} part-*.parquet file(s) ({names}"
+                f"{', ...' if len(parts) > 3 else ''}) but no dart-ray batch manifest "
+                f"({META_DIR}/job.json): it is not the output of a dart-ray batch job. Use a "
+                f"new or empty output directory")
+
     def check_manifest(self, manifest: dict, force: bool = False) -> None:
         """Record ``manifest`` on the first run; on a rerun refuse a different one (unless
         forced).
@@ -202,13 +214,7 @@ class OutputStore:
         """
         parts = self.part_paths()
         if not self.manifest_path.exists():
-            if parts:
-                names = ", ".join(p.name for p in parts[:3])
-                raise ValueError(
-                    f"{self.root} holds {len(parts)} part-*.parquet file(s) ({names}"
-                    f"{', ...' if len(parts) > 3 else ''}) but no dart-ray batch manifest "
-                    f"({META_DIR}/job.json): it is not the output of a dart-ray batch job. Use a "
-                    f"new or empty output directory")
+            self.refuse_foreign_parts()
         elif parts and not force:
             old = json.loads(self.manifest_path.read_text())
             unknown = [k for k in UNRECORDED_BEFORE if k not in old and k in manifest]
@@ -228,8 +234,9 @@ class OutputStore:
                     f"{self.root} was written from other input files (ids are row numbers over "
                     f"the sorted input files, so adding, removing or changing a file renumbers "
                     f"the rows): (file, rows) was {files[0]!r}, now {files[1]!r}. Use another "
-                    f"output directory or give the input an id column (or pass force to keep the "
-                    f"committed rows as they are)")
+                    f"output directory or give the input an id column. (force would keep the "
+                    f"committed rows under their old numbers: input rows whose number was "
+                    f"committed before would never be generated)")
             if files is not None:
                 diff["input_files"] = files
             if diff:
@@ -251,8 +258,10 @@ class OutputStore:
         """Hold the directory for one job: exclusive driver lock, then wait out stale workers.
 
         Raises :class:`OutputBusyError` when another driver holds the directory, or when workers of
-        an earlier run are still alive after ``stale_worker_timeout_s``.
+        an earlier run are still alive after ``stale_worker_timeout_s``; ``ValueError`` for another
+        writer's output (:meth:`refuse_foreign_parts`), before anything is created in it.
         """
+        self.refuse_foreign_parts()
         self.create()
         fd = os.open(self.driver_lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

@@ -144,6 +144,7 @@ def test_foreign_part_files_are_not_committed_rows(tmp_path):
     pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["a", "b", "c"]}), inp)
     with pytest.raises(ValueError, match=r"part-00000-abc-c000.*not the output of a dart-ray"):
         run_batch_job(BatchJobConfig(input=str(inp), output=str(out), force=True))
+    assert sorted(p.name for p in out.iterdir()) == ["part-00000-abc-c000.snappy.parquet"]
     # a part without the job's columns (copied in after a first run) is not counted either
     store = OutputStore(out)
     assert len(store.committed_ids("id")) == 2          # without required columns: any id column
