@@ -522,6 +522,7 @@ def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSumma
     check_layout(cfg)
     store = OutputStore(cfg.output)
     required = (cfg.prompt_column, *OUTPUT_COLUMNS)     # a part of this job has them all
+    store.refuse_foreign_parts()                        # before anything is created in there
     with store.driver_session(cfg.stale_worker_timeout_s):
         inp = _load_input(cfg)
         store.check_manifest(cfg.manifest(ROW_NUMBER if inp.numbered is not None else "column",

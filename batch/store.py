@@ -258,10 +258,8 @@ class OutputStore:
         """Hold the directory for one job: exclusive driver lock, then wait out stale workers.
 
         Raises :class:`OutputBusyError` when another driver holds the directory, or when workers of
-        an earlier run are still alive after ``stale_worker_timeout_s``; ``ValueError`` for another
-        writer's output (:meth:`refuse_foreign_parts`), before anything is created in it.
+        an earlier run are still alive after ``stale_worker_timeout_s``.
         """
-        self.refuse_foreign_parts()
         self.create()
         fd = os.open(self.driver_lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

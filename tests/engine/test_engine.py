@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import MIXED_PROMPTS
+from conftest import MIXED_PROMPTS, flat_cost
 
 from dart_ray import DecodingConfig, Engine, EngineConfig, SamplingParams
 from dart_ray.drafters import Drafter, make_drafter
@@ -238,7 +238,11 @@ def test_seeded_sampling_equals_plain_sampling_whatever_the_method_batch_and_sch
                                       ("ngram", None, True), ("eagle", "eagle", True),
                                       ("medusa", "medusa", False)]:
         path = str(tiny_baselines[drafter]) if drafter in tiny_baselines else drafter
-        eng = make_engine(tiny, method, path, batch=3, adaptive=adaptive)   # 4 prompts: one waits
+        cfg = EngineConfig(method=method, drafter=path, ngram="none", dtype="fp32",
+                           max_batch_size=3, max_seq_len=512, adaptive=adaptive,  # 4 prompts
+                           decoding=DecodingConfig(tree_budget=24, top_k=8, beam_width=6))
+        # adaptive: verify steps priced flat (not this machine's timings), so it does speculate
+        eng = Engine(tiny, make_drafter(cfg, tiny), cfg, cost_model=flat_cost())
         assert [o.token_ids for o in eng.generate(PROMPTS, SAMPLED)] == ref, (method, adaptive)
         assert eng.stats().draft_tokens > 0
 
