@@ -699,10 +699,16 @@ def test_batch_job_survives_node_loss_exactly_once(cluster, tiny_model, tmp_path
     # both engine actors up (one per node: Ray Data spreads its actor pool), a few parts committed,
     # and both mid-batch: on a fast CPU an actor is otherwise often between batches at the kill,
     # and a batch that was only queued to it is not a retry (nothing had started it)
-    wait_for(lambda: len({a["node"] for a in actors("_PartWriter")}) == 2
-                     and len(store.part_paths()) >= 4 and in_flight() >= 2,
-             JOB_BOUND_S / 2, "the job running on both nodes, each mid-batch", state=job_state)
-    victim = cluster.name_of(actors("_PartWriter")[0]["node"])
+    seen: list = []
+
+    def both_mid_batch() -> bool:
+        # the slow state query first, the batches in flight last: the kill follows at once
+        seen[:] = [a["node"] for a in actors("_PartWriter")]
+        return len(set(seen)) == 2 and len(store.part_paths()) >= 4 and in_flight() >= 2
+
+    wait_for(both_mid_batch, JOB_BOUND_S / 2, "the job running on both nodes, each mid-batch",
+             state=job_state)
+    victim = cluster.name_of(seen[0])
     parts_at_kill = len(store.part_paths())
     assert parts_at_kill < n // cfg.batch_size, "the job finished before the node was lost"
     t_kill = cluster.kill(victim)
