@@ -41,8 +41,7 @@ def main() -> None:
     eng.step()                                                   # prefill + first decode step
     r = eng.running[0]
     view = BatchView(roots=torch.tensor([r.root]), lengths=eng.cache.lengths[:1], tokens=eng.tokens,
-                     decoding=eng.decoding_for(1), params=[r.params],
-                     generators=[r.random and r.random.generator])
+                     decoding=eng.decoding_for(1), params=[r.params], randoms=[r.random])
     tree = eng.drafter.propose(view)
     T = tree.num_nodes
     n_int = int(internal_nodes(tree).sum())

@@ -37,8 +37,9 @@ class BatchView:
     decoding: DecodingConfig       # current runtime knobs
     # per-row SamplingParams (drafters that sample their drafts need them)
     params: list | None = None
-    # per-row torch.Generator (None entries: torch's default) for such draws
-    generators: list | None = None
+    # per-row RequestRandom (None for greedy rows): a drafter that samples its drafts draws with
+    # its ``generator``
+    randoms: list | None = None
     # draft nodes the engine keeps this step: it cuts the tree to its first ``max_nodes`` (priority
     # order), so a drafter may skip work that cannot reach them (None: the whole tree is kept)
     max_nodes: int | None = None

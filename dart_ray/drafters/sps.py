@@ -89,7 +89,7 @@ class SpsDrafter(Drafter):
         B = view.batch_size
         d = min(view.decoding.draft_depth, self.max_draft_depth)  # chain length (the papers' gamma)
         params = view.params or []
-        gens = view.generators or [None] * B
+        gens = [r and r.generator for r in view.randoms or [None] * B]
         sampled = [b for b, p in enumerate(params) if not p.greedy]
         dev = view.roots.device
         done = self.cache.lengths[:B]

@@ -392,7 +392,7 @@ class Engine:
         roots = torch.tensor([r.root for r in reqs], dtype=torch.long, device=dev)
         view = BatchView(roots=roots, lengths=self.cache.lengths[:B], tokens=self.tokens,
                          decoding=decoding, params=[r.params for r in reqs],
-                         generators=[r.random and r.random.generator for r in reqs])
+                         randoms=[r.random for r in reqs])
         context: tuple[int, bool] = (0, False)                                # plan
         if self.controller is None:
             n = max_nodes

@@ -49,12 +49,11 @@ class RequestRandom:
         self._generator: torch.Generator | None = None
         self._device = device
 
-    def uniform(self, position: int, stream: int = 0) -> float:
-        """The uniform in [0, 1) of output position ``position`` (``stream`` > 0: independent
-        extra draws at the same position, e.g. an acceptance test)."""
-        if position < 0 or not 0 <= stream < 256:
-            raise ValueError(f"position {position} / stream {stream} out of range")
-        z = _mix((self._key + ((position << 8 | stream) + 1) * _GOLDEN) & _M64)
+    def uniform(self, position: int) -> float:
+        """The uniform in [0, 1) of output position ``position``."""
+        if position < 0:
+            raise ValueError(f"position {position} < 0")
+        z = _mix((self._key + ((position << 8) + 1) * _GOLDEN) & _M64)
         return (z >> 11) * (1.0 / (1 << 53))
 
     @property

@@ -17,6 +17,7 @@ from dart_ray.drafters.ngram import NGramDrafter, lookup_continuations
 from dart_ray.models import load_target
 from dart_ray.training.objectives import sps_train_forward
 from dart_ray.tree import TokenTree
+from dart_ray.verify import RequestRandom
 
 B_MAX, S_MAX = 4, 64
 KNOBS = {"draft_depth": 4, "top_k": 5, "beam_width": 4, "tree_budget": 12, "lookup_paths": 0}
@@ -334,7 +335,7 @@ def test_sps_sampled_rows_carry_their_draft_distribution(tiny, tiny_baselines):
     d.prefill(slice(0, 2), [7, 3], None, torch.zeros(2, 7, dtype=torch.long))
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=20)]
     v = view(ROWS, ROOTS, params=params, draft_depth=3)
-    v.generators = [None, torch.Generator().manual_seed(0)]
+    v.randoms = [None, RequestRandom(0)]
     tree = d.propose(v)
     q = tree.draft_probs
     assert q.shape == (2, 4, V)

@@ -607,8 +607,8 @@ class _Remapped:
     def __init__(self, rand: RequestRandom, remap: Callable[[int], int]) -> None:
         self.rand, self.remap = rand, remap
 
-    def uniform(self, position: int, stream: int = 0) -> float:
-        return self.rand.uniform(self.remap(position), stream)
+    def uniform(self, position: int) -> float:
+        return self.rand.uniform(self.remap(position))
 
 
 def _wrong_positions(kind: str) -> Sampler:
