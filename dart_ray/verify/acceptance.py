@@ -82,11 +82,13 @@ vocabulary; rows whose filter reaches past them (k > 1024, a nucleus wider than 
 back to a full sort, row by row. Both give the same tokens (``tests/verify/test_acceptance.py``)."""
 
 
-def _kept_mask(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, need_p: bool) -> torch.Tensor:
+def _kept_mask(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, need_p: bool,
+               candidates: int = TOP_CANDIDATES) -> torch.Tensor:
     """``[..., V]`` bool mask of the tokens top-k / top-p keep, decided among each row's
-    :data:`TOP_CANDIDATES` largest logits where they suffice, by a full sort elsewhere."""
+    ``candidates`` largest logits; rows whose filter reaches past them are decided again with all
+    ``V`` as candidates (a full sort), row by row."""
     V = x.shape[-1]
-    C = min(V, TOP_CANDIDATES)
+    C = min(V, candidates)
     one = x.shape[:-1] + (1,)
     kk = torch.where((k > 0) & (k < V), k, V).expand(one)                 # [..., 1] effective k
     pp = p.expand(one)                                                     # [..., 1]
@@ -108,31 +110,11 @@ def _kept_mask(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, need_p: bool) 
     unfiltered = (kk >= V) & (pp >= 1.0)                                   # [..., 1] keep all
     mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter(-1, idx, keep)
     mask = mask | unfiltered
-    wide = ~(ok | unfiltered)[..., 0]                                      # [...]
+    wide = ~(ok | unfiltered)[..., 0]                                      # [...] (never if C == V)
     if bool(wide.any()):
-        # these rows' filter reaches past the candidates: a full sort, of those rows only, so
         # which path decides a row depends on the row alone, not on the rows beside it
-        mask[wide] = _kept_by_full_sort(x[wide], kk[wide], pp[wide], True, need_p)
+        mask[wide] = _kept_mask(x[wide], kk[wide], pp[wide], need_p, candidates=V)
     return mask
-
-
-def _kept_by_full_sort(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, need_k: bool,
-                       need_p: bool) -> torch.Tensor:
-    """``[n, V]`` the same mask from a sort of the whole vocabulary (``k``, ``p``: ``[n, 1]`` or
-    scalars)."""
-    V = x.shape[-1]
-    sorted_x, order = x.sort(dim=-1, descending=True)  # [..., V]
-    rank = torch.arange(V, device=x.device)  # [V]
-    keep = torch.ones_like(sorted_x, dtype=torch.bool)  # [..., V] in sorted order
-    if need_k:
-        keep = keep & (rank < torch.where(k > 0, k, V))
-    if need_p:
-        sp = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
-        csum = sp.cumsum(dim=-1)
-        # exclusive cumulative mass: a token stays if the more likely ones sum to < top_p
-        before = torch.cat([torch.zeros_like(csum[..., :1]), csum[..., :-1]], dim=-1)
-        keep = keep & ((before < p) | (p >= 1.0) | (rank == 0))
-    return torch.zeros_like(keep).scatter(-1, order, keep)  # [..., V] back in vocab order
 
 
 def processed_probs(
