@@ -143,8 +143,8 @@ class Engine:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, deque[RequestOutput]] = {}
-        """Outputs of requests an open :meth:`stream` owns, produced while another stream (or
-        :meth:`generate`) was stepping: its consumer gets them at its next turn."""
+        """Request id -> the output queue of the open :meth:`stream` (or :meth:`generate`) that
+        owns it: a step, whichever stream runs it, queues each output there."""
         self.metrics = EngineStats()
         self.eos_ids = frozenset(self._eos_ids())
         self._maybe_pack(config.pack_weights)
@@ -606,12 +606,13 @@ class Engine:
 
     def _drain(self, ids: list[str]) -> _Stream:
         """Step until ``ids`` finish, yielding their outputs. Streams may interleave (two
-        iterators consumed in turns): a step's outputs for another open stream's requests are
-        queued for it, not dropped. Closing the stream, or dropping it (even before its first
-        ``next``), aborts what it has not finished."""
+        iterators consumed in turns): each open stream has one queue, and a step, whoever runs it,
+        hands every open stream its outputs in order. Closing the stream, or dropping it (even
+        before its first ``next``), aborts what it has not finished."""
+        queue: deque[RequestOutput] = deque()
         for rid in ids:                  # now, not at the first next(): steps may run before it
-            self._streams[rid] = deque()
-        return _Stream(self._drain_registered(ids), self._close_stream, ids)
+            self._streams[rid] = queue
+        return _Stream(self._drain_registered(ids, queue), self._close_stream, ids)
 
     def _close_stream(self, ids: list[str]) -> None:
         for rid in ids:
@@ -619,36 +620,26 @@ class Engine:
         for rid in ids:                  # unfinished ones: do not leak rows (no-op if finished)
             self.abort(rid)
 
-    def _drain_registered(self, ids: list[str]) -> Iterator[RequestOutput]:
+    def _drain_registered(self, ids: list[str],
+                          queue: deque[RequestOutput]) -> Iterator[RequestOutput]:
         pending = set(ids)
         try:
             while pending:
-                mine = [o for rid in ids if rid in pending for o in self._take(rid)]
-                if not mine and not any(rid in self.requests for rid in pending):
-                    raise RuntimeError(f"requests {sorted(pending)} left the engine without a "
-                                       "final output")
-                if not mine:
-                    # hand the other streams their outputs before yielding (and maybe pausing):
-                    # a step they run meanwhile must queue behind these
+                if not queue:
+                    if not any(rid in self.requests for rid in pending):
+                        raise RuntimeError(f"requests {sorted(pending)} left the engine without "
+                                           "a final output")
                     for o in self.step():
-                        if o.request_id in pending:
-                            mine.append(o)
-                        elif o.request_id in self._streams:
-                            self._streams[o.request_id].append(o)
-                for o in mine:
+                        q = self._streams.get(o.request_id)
+                        if q is not None:
+                            q.append(o)
+                while queue:
+                    o = queue.popleft()
                     yield o
                     if o.finished:
                         pending.discard(o.request_id)
         finally:
             self._close_stream(ids)      # consumer stopped early: do not leak rows
-
-    def _take(self, rid: str) -> list[RequestOutput]:
-        q = self._streams.get(rid)
-        if not q:
-            return []
-        out = list(q)
-        q.clear()
-        return out
 
     def stream(self, prompts: PromptLike | Sequence[PromptLike],
                params: SamplingParams | Sequence[SamplingParams] | None = None,
