@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         Completion,
         Engine,
         EngineStats,
+        InvalidPromptError,
         PromptTooLongError,
         RequestOutput,
         RequestStats,
@@ -36,12 +37,14 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_ENGINE_NAMES = ("Completion", "Engine", "EngineStats", "PromptTooLongError", "RequestOutput",
+_ENGINE_NAMES = ("Completion", "Engine", "EngineStats", "InvalidPromptError", "PromptTooLongError",
+                 "RequestOutput",
                  "RequestStats", "encode_prompt")
 
 __all__ = [
     "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats",
-    "Completion", "RequestOutput", "RequestStats", "PromptTooLongError", "DecodingSchedule",
+    "Completion", "RequestOutput", "RequestStats", "InvalidPromptError", "PromptTooLongError",
+    "DecodingSchedule",
     "load_profile", "save_profile", "encode_prompt", "fast_allocator_env", "actor_allocator_env",
     "allocator_in_use", "init_ray", "joins_cluster", "local_ray_config",
     "__version__",

@@ -7,7 +7,8 @@ found while reading a request (400 malformed, 401 key, 404 model or route, 413 b
 raised where they are found; :func:`engine_error` maps everything else:
 
 * 400 ``context_length_exceeded``: the prompt (or prompt + ``max_tokens``) exceeds the context;
-* 400 ``invalid_value``: a value the engine refuses (ValueError / TypeError);
+* 400 ``invalid_value``: a prompt the engine refuses (``InvalidPromptError``: empty, ids outside
+  the vocabulary; ``param: prompt``) or another value it refuses (ValueError / TypeError);
 * 503 ``queue_full`` + ``Retry-After``: the engine's queue is full, or Serve's back-pressure;
 * 503 ``engine_unavailable``: the engine thread is down, or the engine deployment failed to deploy;
 * **503 ``replica_lost`` + ``Retry-After``**: the engine replica serving the request (its process or
@@ -24,7 +25,7 @@ raised by the ingress itself when an engine stream ends without its final output
 
 from __future__ import annotations
 
-from dart_ray import PromptTooLongError
+from dart_ray import InvalidPromptError, PromptTooLongError
 from dart_ray.engine.async_engine import EngineDeadError, EngineStepError, QueueFullError
 from deployments.protocol import APIError
 
@@ -77,6 +78,8 @@ def engine_error(e: BaseException, retry_after_s: float = 1.0) -> APIError:
         return e
     if isinstance(e, PromptTooLongError):
         return APIError(400, str(e), "invalid_request_error", "prompt", "context_length_exceeded")
+    if isinstance(e, InvalidPromptError):
+        return APIError(400, str(e), "invalid_request_error", "prompt", "invalid_value")
     if isinstance(e, QueueFullError):
         return _queue_full(e, e.retry_after_s)
     if isinstance(e, EngineDeadError):

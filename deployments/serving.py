@@ -98,8 +98,7 @@ def _engine_info(e: Engine) -> tuple[dict, object]:
             "speculative_method": e.config.method, "dtype": e.config.dtype,
             "dtype_reason": e.dtype_choice.reason, "machine": e.fingerprint.summary(),
             "allocator": allocator_in_use(),
-            "adaptive_speculation": e.controller is not None,
-            "vocab_size": int(e.target.args.vocab_size)}, e.tokenizer
+            "adaptive_speculation": e.controller is not None}, e.tokenizer
 
 
 def draft_positions(engines: dict) -> int:
@@ -189,7 +188,6 @@ class DartRayServer:
         self.max_model_len = info["max_model_len"]
         """Prompt + generated tokens a request can use (the engine keeps its tree scratch
         beyond)."""
-        self.vocab_size = info["vocab_size"]
         self.tokenizers = TokenizerPool(tokenizer, self.args.tokenizer_workers)
         self.max_prompt_chars = (self.args.max_prompt_chars
                                  or self.max_model_len * max_token_chars(tokenizer))
@@ -382,8 +380,6 @@ class DartRayServer:
                 raise bad(f"invalid prompt: {e}", req.prompt_param) from None
         if not ids:
             raise bad("prompt is empty", req.prompt_param)
-        if req.token_ids is not None and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if len(ids) >= self.max_model_len:
             raise self._too_long(req, len(ids))
         if req.max_tokens is not None and len(ids) + req.max_tokens > self.max_model_len:

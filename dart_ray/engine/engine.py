@@ -62,7 +62,12 @@ def _first_nodes_knobs(decoding: DecodingConfig, n: int) -> DecodingConfig:
                             beam_width=min(decoding.beam_width, n))
 
 
-class PromptTooLongError(ValueError):
+class InvalidPromptError(ValueError):
+    """The prompt cannot be generated from: empty, token ids outside the vocabulary, or too long
+    (:class:`PromptTooLongError`)."""
+
+
+class PromptTooLongError(InvalidPromptError):
     """The prompt does not fit the context."""
 
 
@@ -271,10 +276,10 @@ class Engine:
 
     def check_prompt(self, ids: Sequence[int]) -> None:
         if len(ids) == 0:
-            raise ValueError("prompt is empty")
+            raise InvalidPromptError("prompt is empty")
         V = self.target.args.vocab_size
         if min(ids) < 0 or max(ids) >= V:
-            raise ValueError(f"prompt token ids must be in [0, {V})")
+            raise InvalidPromptError(f"prompt token ids must be in [0, {V})")
         limit = self.max_model_len - 1
         if len(ids) > limit:
             raise PromptTooLongError(

@@ -313,6 +313,10 @@ def test_engine_errors_map_to_http_statuses():
         e = engine_error(exc)
         assert (e.status, e.code) == (status, code), exc
         assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+    from dart_ray import InvalidPromptError
+
+    e = engine_error(InvalidPromptError("prompt token ids must be in [0, 10)"))
+    assert (e.status, e.code, e.param) == (400, "invalid_value", "prompt")
 
 
 def test_lost_replica_errors_map_to_retryable_503():
