@@ -215,10 +215,10 @@ def _unsupported(body: dict, kind: str) -> None:
                           key, "unsupported_value")
     if body.get("logit_bias"):
         raise bad("'logit_bias' is not supported", "logit_bias", "unsupported_value")
-    # completions: an integer (0 = the sampled token's logprob); chat: a boolean
+    # completions: an integer (0 too asks for the sampled token's logprob); chat: a boolean
     lp = body.get("logprobs")
-    if (lp is not None and lp is not False if kind == "chat" else lp is not None) \
-            or body.get("top_logprobs") not in (None, 0):
+    logprobs_off = lp is None or (kind == "chat" and lp is False)
+    if not logprobs_off or body.get("top_logprobs") not in (None, 0):
         raise bad("'logprobs' is not supported", "logprobs", "unsupported_value")
     # vLLM extras that change the output: refused rather than ignored
     for key, neutral in (("min_tokens", 0), ("min_p", 0.0), ("include_stop_str_in_output", False),
