@@ -199,6 +199,10 @@ class JobSummary:
     :func:`batch.store.retry_report`)."""
     resumes: int = 0
     """Times this run stopped a stalled pipeline and resumed from the committed parts."""
+    unreported_rows: int = 0
+    """Rows this run committed whose batch totals never reached the driver (a pipeline stopped by
+    a stall or an engine failure after committing them): in the output, not in ``rows`` and the
+    token totals."""
 
     @property
     def rows_per_s(self) -> float:
@@ -237,7 +241,9 @@ class JobSummary:
         o = self.output
         lines = [
             (f"dart-ray batch: {self.input_rows} input rows, {self.already_done} already done, "
-             f"{self.rows} processed this run ({self.errors} errors) in {self.wall_s:.1f} s"),
+             f"{self.rows} processed this run ({self.errors} errors) in {self.wall_s:.1f} s"
+             + (f"; {self.unreported_rows} more committed by a stopped pipeline (not in the "
+                f"totals)" if self.unreported_rows else "")),
             (f"  {self.rows_per_s:.2f} rows/s, {self.tokens_per_s:.1f} tokens/s "
              f"({self.completion_tokens} completion tokens), mean accepted length "
              f"{self.mean_accepted_len:.2f}"),
@@ -574,6 +580,8 @@ def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSumma
             committed = store.committed_ids(cfg.id_column, required)
             missing = id_report(inp.ids, committed)["missing"]
         summary.output = id_report(inp.ids, store.committed_ids(cfg.id_column, required))
+        done_now = summary.output["expected"] - summary.output["missing"]
+        summary.unreported_rows = max(0, done_now - summary.already_done - summary.rows)
         summary.retries = retry_report(store.attempted_ids(cfg.id_column), unfinished)
         summary.retried_rows = summary.retries["rows"]
         (store.meta / "last_run.json").write_text(json.dumps(summary.to_dict(), indent=2))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from dart_ray.allocator import actor_allocator_env, allocator_in_use, fast_allocator_env
 from dart_ray.config import METHODS, DecodingConfig, EngineConfig, SamplingParams
+from dart_ray.model_ref import ModelLoadError, locate_model
 from dart_ray.profiles import DecodingSchedule, load_profile, save_profile
 from dart_ray.ray_local import init_ray, joins_cluster, local_ray_config
 
@@ -44,7 +45,7 @@ _ENGINE_NAMES = ("Completion", "Engine", "EngineStats", "InvalidPromptError", "P
 __all__ = [
     "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats",
     "Completion", "RequestOutput", "RequestStats", "InvalidPromptError", "PromptTooLongError",
-    "DecodingSchedule",
+    "DecodingSchedule", "ModelLoadError", "locate_model",
     "load_profile", "save_profile", "encode_prompt", "fast_allocator_env", "actor_allocator_env",
     "allocator_in_use", "init_ray", "joins_cluster", "local_ray_config",
     "__version__",

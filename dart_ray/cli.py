@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from dart_ray.allocator import allocator_in_use
 from dart_ray.config import EngineConfig, RenamedWarning, add_engine_args, engine_args
+from dart_ray.model_ref import ModelLoadError
 
 
 def _add_profile_arg(p: argparse.ArgumentParser) -> None:
@@ -215,6 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # old spellings (a profile's chunk_len, a renamed flag) still work; say so on every command
     warnings.simplefilter("default", RenamedWarning)
+    try:
+        return _run(argv)
+    except ModelLoadError as e:       # a bad --model, from any command: an error, not a traceback
+        print(f"dart-ray {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
     if argv and argv[0] in DELEGATED:
         module, func = DELEGATED[argv[0]]
         return _delegate(module, func, argv[1:])

@@ -164,6 +164,25 @@ def check_profile(profile: str | None, local: bool) -> None:
                        "nodes", profile, e)
 
 
+def check_model(args: dict[str, Any], local: bool) -> None:
+    """Check an application's ``model`` (flat or under ``engine``) here, before Ray starts, as
+    :func:`check_profile` does its profile: a typo is an error at the command for a local run,
+    a warning on a cluster (its nodes may hold the files)."""
+    engine = args.get("engine")
+    model = args.get("model", engine.get("model") if isinstance(engine, dict) else None)
+    if not isinstance(model, (str, os.PathLike, type(None))):
+        return                          # ServeArgs names the type error with the other fields
+    from dart_ray import ModelLoadError, locate_model
+
+    try:
+        locate_model(model)
+    except ModelLoadError as e:
+        if local:
+            raise
+        logger.warning("model %r is not readable here (%s); the replicas resolve it on their "
+                       "nodes", model, e)
+
+
 def run_local(config_path: str | os.PathLike | None = None, host: str | None = "127.0.0.1",
               port: int | None = 8000, temp_dir: str | None = None, blocking: bool = True,
               overrides: dict[str, Any] | None = None,
@@ -192,6 +211,7 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
 
     for _, _, _, args in apps:
         check_profile(args.get("profile"), local=address is None)
+        check_model(args, local=address is None)
 
     import ray
     from ray import serve

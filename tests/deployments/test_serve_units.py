@@ -925,3 +925,29 @@ def test_serve_checks_the_profile_before_starting_anything(tmp_path, caplog, cap
         check_profile(str(bad), local=False)
     assert serve_cli(["--method", "dart", "--profile", str(bad)]) == 2
     assert "draft_depth must be an integer" in capsys.readouterr().err
+
+
+def test_serve_checks_the_model_before_starting_anything(tmp_path, caplog, capsys):
+    """A --model that names no model (missing, a non-GGUF file, a directory with neither
+    config.json nor one GGUF) fails `dart-ray serve` at once (exit 2), not as a replica that never
+    starts; on a cluster it is left to the replicas; flat or under `engine`."""
+    import ray
+
+    from deployments.cli import serve_cli
+    from deployments.run import check_model
+
+    check_model({}, local=True)                                   # the embedded default
+    with pytest.raises(RuntimeError, match="does not exist"):
+        check_model({"model": str(tmp_path / "nope")}, local=True)
+    with pytest.raises(RuntimeError, match="not a .gguf"):
+        (tmp_path / "w.bin").write_bytes(b"x")
+        check_model({"engine": {"model": str(tmp_path / "w.bin")}}, local=True)
+    (tmp_path / "fake.gguf").write_bytes(b"GGML0000")
+    with pytest.raises(RuntimeError, match="bad magic"):
+        check_model({"model": str(tmp_path)}, local=True)         # the directory's one GGUF
+    with caplog.at_level("WARNING"):
+        check_model({"model": str(tmp_path / "nope")}, local=False)
+    assert "resolve it on their nodes" in caplog.text
+    assert serve_cli(["--method", "dart", "--model", str(tmp_path / "nope")]) == 2
+    assert "model path does not exist" in capsys.readouterr().err
+    assert not ray.is_initialized()
