@@ -89,12 +89,18 @@ class RequestText:
         stopped = False
         if self.stop:
             lo = max(0, self.emitted - self._longest)
-            hits = [(i, len(s)) for i, s in ((text.find(s, lo), s) for s in self.stop) if i >= 0]
+            hits = [(i, i + len(s)) for i, s in ((text.find(s, lo), s) for s in self.stop)
+                    if i >= 0]
             if hits:
-                cut, n_stop = min(hits)
+                # as if the ids came one at a time: the first id to complete a stop string ends
+                # the request, and of the stop strings its text holds, the earliest start cuts
+                # (so the result does not depend on how many ids one step accepted)
+                n = self._tokens_through(before, min(end for _, end in hits))
+                reach = self._text_len(n)
+                cut = min(i for i, end in hits if end <= reach)
                 d.text = text = text[:cut]
                 # ids of earlier pushes were returned already: those stay, only this push's shrink
-                keep = max(self._tokens_through(before, cut + n_stop) - before, 0)
+                keep = max(n - before, 0)
                 del d.ids[before + keep:]
                 ids, stopped = ids[:keep], True
         self.finished = finished or stopped
@@ -112,9 +118,8 @@ class RequestText:
         text of the earlier ids already reach ``end``, the fewest ids are found among them."""
         d = self.detok
 
-        def reaches(n: int) -> bool:                # a split UTF-8 character is not there yet
-            text = d.tok.decode(d.ids[:n], skip_special_tokens=d.skip)
-            return len(text.rstrip("\ufffd")) >= end
+        def reaches(n: int) -> bool:
+            return self._text_len(n) >= end
 
         if reaches(before):                         # completed by earlier ids: bisect them
             lo, hi = 0, before                      # not reaches(lo - 1); reaches(hi)
@@ -129,3 +134,9 @@ class RequestText:
             if reaches(n):
                 return n
         return len(d.ids)
+
+    def _text_len(self, n: int) -> int:
+        """Characters readable from the first ``n`` ids (a split UTF-8 character is not there
+        yet)."""
+        d = self.detok
+        return len(d.tok.decode(d.ids[:n], skip_special_tokens=d.skip).rstrip("\ufffd"))

@@ -184,3 +184,38 @@ def test_a_stop_completed_by_an_earlier_push_keeps_none_of_this_push():
     assert rt._tokens_through(5, len("ab天")) == 5              # the fewest of all ids
     assert rt._tokens_through(4, len("ab天")) == 5
     assert rt._tokens_through(0, len("ab")) == 2
+
+
+def one_at_a_time(tok, ids: list[int], stops: tuple[str, ...]) -> tuple[str, int]:
+    """Plain decoding's result: ids pushed one by one, the first whose text holds a stop string
+    ends it, cut at the earliest start among the stop strings that text holds."""
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n]).rstrip("\ufffd")
+        starts = [text.find(s) for s in stops if s in text]
+        if starts:
+            return text[:min(starts)], n
+    return tok.decode(ids), len(ids)
+
+
+@pytest.mark.parametrize("stops", [("quick brown fox jumps", "brown"), ("brown", "quick brown fox"),
+                                   ("fox jumps over", "jumps", "over the lazy"),
+                                   ("北京天安门", "天安"), ("。我爱北", "爱北京天")])
+def test_several_stop_strings_end_where_one_id_at_a_time_would(tok, stops):
+    """Two stop strings completed by one push (a step that accepted several tokens): the one
+    completed first ends the request, as when ids come one at a time, not the one starting first
+    -- so speculative and plain decoding stop at the same text and usage."""
+    text = ASCII if stops[0].isascii() else CJK_OUT
+    ids = tok(text, add_special_tokens=False)["input_ids"] if text is ASCII else \
+        completion_ids(tok, CJK, CJK_OUT)
+    want_text, want_n = one_at_a_time(tok, ids, stops)
+    assert want_n < len(ids)
+    for name, index_chunks in chunkings(len(ids)):
+        rt = RequestText(tok, stops)
+        out, kept = "", []
+        for chunk in index_chunks:
+            k, t, stopped = rt.push([ids[i] for i in chunk], False)
+            out, kept = out + t, kept + k
+            if stopped:
+                break
+        assert stopped and (out, len(kept)) == (want_text, want_n), name
+        assert kept == ids[:want_n] and rt.num_tokens == want_n, name
