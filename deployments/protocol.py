@@ -155,6 +155,13 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     return v
 
 
+MAX_STOP_STRINGS = 16
+"""Stop strings one request may give (OpenAI allows 4): each is searched in the new text of every
+step, on the replica's event loop shared by all its streams."""
+MAX_STOP_CHARS = 512
+"""Characters of one stop string (the stream holds back that many less one)."""
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     v = body.get("stop")
     if v is None:
@@ -165,6 +172,12 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
     if any(s == "" for s in v):
         raise bad("'stop' strings must be non-empty", "stop")
+    if len(v) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' has {len(v)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+    longest = max((len(s) for s in v), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise bad(f"a 'stop' string has {longest} characters; at most {MAX_STOP_CHARS} are "
+                  "allowed", "stop")
     return tuple(v)
 
 

@@ -125,8 +125,10 @@ class _Track:
     """Per-request metric bookkeeping: TTFT, inter-token gaps, the end (vLLM's request histograms).
     Times are taken on the engine replica, from the request's arrival there."""
 
-    def __init__(self, metrics: ServerMetrics, t0: float, max_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics, t0: float, max_tokens: int,
+                 num_prompt: int) -> None:
         self.metrics, self.t0, self.max_tokens = metrics, t0, max_tokens
+        self.num_prompt = num_prompt
         self.timing = RequestTiming()
         self.first_at: float | None = None
         self.last_at: float | None = None
@@ -142,17 +144,19 @@ class _Track:
         if o.new_token_ids or self.last_at is None:
             self.last_at = t
 
-    def finished(self, last: RequestOutput, reason: str | None = None) -> None:
+    def finished(self, last: RequestOutput | None, reason: str | None = None) -> None:
+        """The request ended with ``last`` (None: before its first output, aborted)."""
         if self.done:
             return
         self.done = True
         t = time.perf_counter()
-        self.metrics.finished(reason or last.finish_reason or "stop", t - self.t0,
-                              last.num_prompt_tokens, last.num_generated_tokens,
+        self.metrics.finished(reason or (last and last.finish_reason) or "stop", t - self.t0,
+                              self.num_prompt, last.num_generated_tokens if last else 0,
                               timing=self.timing, first_token_s=self.first_at, end_s=t,
                               max_tokens=self.max_tokens)
 
-    def aborted(self, last: RequestOutput) -> None:
+    def aborted(self, last: RequestOutput | None) -> None:
+        """The caller went away after ``last`` (None: while the request waited for a row)."""
         if not self.done:
             self.metrics.aborted += 1
             self.finished(last, "abort")
@@ -269,7 +273,7 @@ class DartRayServer:
             lane = await self._lane(req.speculative)
             ids = await self._prepare(req)
             params = self._params(req, len(ids))
-            track = _Track(self.server_metrics, t0, params.max_new_tokens)
+            track = _Track(self.server_metrics, t0, params.max_new_tokens, len(ids))
             agen = self.aengine.stream(ids, params, request_id=request_id, lane=lane,
                                        timing=track.timing)
             async for o in agen:
@@ -279,8 +283,8 @@ class DartRayServer:
                     track.finished(o)
                 yield o
         except (asyncio.CancelledError, GeneratorExit):
-            if track is not None and last is not None and not last.finished:
-                # the caller went away: aclose() below aborts the request
+            if track is not None and (last is None or not last.finished):
+                # the caller went away (queued or streaming): aclose() below aborts the request
                 track.aborted(last)
             raise
         except Exception as e:  # noqa: BLE001 - the stream ends with the error, in-band

@@ -11,7 +11,16 @@ from dart_ray import DecodingConfig, DecodingSchedule, EngineConfig, SamplingPar
 from deployments.config import ServeArgs
 from deployments.metrics import IngressMetrics, ServerMetrics
 from deployments.placement import placement_options, replica_actor_options
-from deployments.protocol import APIError, parse_chat, parse_completion, parse_json, sse, usage
+from deployments.protocol import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    APIError,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    sse,
+    usage,
+)
 
 
 # ---- args ----------------------------------------------------------------------------------------
@@ -145,6 +154,12 @@ def test_parse_completion():
     assert _err(parse_completion, {"prompt": "x", "max_tokens": True}).code == "invalid_type"
     assert _err(parse_completion, {"prompt": "x", "top_p": 0}).param == "top_p"
     assert _err(parse_completion, {"prompt": "x", "stop": [""]}).param == "stop"
+    many = [f"s{i}" for i in range(MAX_STOP_STRINGS)]    # searched every step: bounded
+    assert parse_completion({"prompt": "x", "stop": many}).stop == tuple(many)
+    assert "at most 16" in _err(parse_completion, {"prompt": "x", "stop": [*many, "t"]}).message
+    assert parse_completion({"prompt": "x", "stop": "y" * MAX_STOP_CHARS}).stop
+    assert _err(parse_completion, {"prompt": "x", "stop": ["y" * (MAX_STOP_CHARS + 1)]}).param \
+        == "stop"
     assert _err(parse_completion, {"prompt": "x", "n": 3}).status == 400
     assert _err(parse_completion, {"prompt": "x", "logprobs": 2}).code == "unsupported_value"
     assert _err(parse_completion, {"prompt": "x", "presence_penalty": 0.5}).code \
@@ -860,7 +875,7 @@ def test_ingress_reports_an_engine_error_after_output_in_band():
     assert all(s.cancelled for s in engine.streams) and ingress.metrics.errors == {"500": 2}
 
 
-def test_a_consumer_that_stops_at_the_finished_output_counts_as_finished():
+def test_a_consumer_that_stops_at_the_finished_output_is_finished_one_that_leaves_aborted():
     """The replica's generate counts a request's end when its finished output passes, so a
     consumer that stops there (without pulling the end of the stream) is not an abort."""
     import asyncio
@@ -904,6 +919,39 @@ def test_a_consumer_that_stops_at_the_finished_output_counts_as_finished():
     asyncio.run(consume(True))
     asyncio.run(consume(False))
     assert metrics.requests["length"] == 2 and metrics.requests["abort"] == metrics.aborted == 0
+
+    # a caller that goes away while its request waits for a row (no output yet) is an abort too,
+    # counted with its prompt and no generated tokens; and so is one that leaves mid-stream
+    admitted = asyncio.Event()
+
+    async def queued(*a, **kw):
+        admitted.set()
+        await asyncio.sleep(3600)
+        yield outs[0]
+
+    async def leave(stream_fn, after_first: bool) -> None:
+        fake.aengine = types.SimpleNamespace(stream=stream_fn)
+        admitted.clear()
+        agen = gen_fn(fake, parse_completion({"prompt": "x"}), "r")
+        task = asyncio.ensure_future(agen.__anext__())
+        if after_first:
+            await task
+            task = asyncio.ensure_future(agen.__anext__())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def one_then_wait(*a, **kw):
+        yield outs[0]
+        await asyncio.sleep(3600)
+
+    prompt_before = metrics.prompt_len.sum
+    asyncio.run(leave(queued, after_first=False))
+    assert admitted.is_set() and metrics.requests["abort"] == metrics.aborted == 1
+    assert metrics.prompt_len.sum - prompt_before == 2
+    asyncio.run(leave(one_then_wait, after_first=True))
+    assert metrics.requests["abort"] == metrics.aborted == 2
 
 
 def test_serve_checks_the_profile_before_starting_anything(tmp_path, caplog, capsys):
