@@ -31,7 +31,7 @@ def tiny_hf_config(family: str, **overrides):
     if family == "llama":
         cfg = tf.LlamaConfig(**common)
     elif family == "mistral":
-        cfg = tf.MistralConfig(sliding_window=None, **common)
+        cfg = tf.MistralConfig(**{"sliding_window": None, **common})
     elif family == "qwen2":
         cfg = tf.Qwen2Config(**common)
     elif family == "qwen3":

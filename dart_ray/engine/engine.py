@@ -16,6 +16,7 @@ with the ``none`` drafter (root-only trees), so speedups are measured against th
 from __future__ import annotations
 
 import functools
+import logging
 import time
 import uuid
 import weakref
@@ -40,6 +41,8 @@ from dart_ray.profiles import DecodingSchedule
 from dart_ray.tree import TokenTree, empty_tree
 from dart_ray.verify import RequestRandom, accept
 from dart_ray.verify.logits import NodeLogits
+
+log = logging.getLogger(__name__)
 
 PromptLike = str | list[int] | list[dict]
 
@@ -135,9 +138,14 @@ class Engine:
         if self.scratch > 0:
             self.scratch = max(self.scratch, MIN_TREE_SCRATCH)
         self.max_model_len = config.max_seq_len
-        if target.args.sliding_window:  # attention has no sliding window: stay inside it
-            self.max_model_len = min(self.max_model_len,
-                                     target.args.sliding_window - self.scratch - 1)
+        window = target.args.sliding_window
+        if window and window + 1 < self.max_model_len:
+            # attention has no sliding window: stay inside it. The last token of a request of
+            # window + 1 comes from position window - 1, which sees every key; tree nodes beyond
+            # it only predict tokens past the end, which are never emitted
+            log.info("max_seq_len %d -> %d: the model's sliding window is %d",
+                     self.max_model_len, window + 1, window)
+            self.max_model_len = window + 1
         self.max_seq_len = self.max_model_len
         capacity = self.max_model_len + self.scratch + 1
         self.max_batch = config.max_batch_size
@@ -165,8 +173,6 @@ class Engine:
 
         ``dtype="auto"`` is resolved first (:func:`dart_ray.hardware.resolve_dtype`); the engine's
         ``config`` carries the concrete dtype and ``dtype_choice`` says why."""
-        import logging
-
         from dart_ray.drafters import make_drafter
         from dart_ray.hardware import resolve_dtype
         from dart_ray.models import load_target
@@ -178,8 +184,8 @@ class Engine:
         target = load_target(config.model, config.dtype, config.device, config.max_seq_len)
         drafter = make_drafter(config, target)
         engine = cls(target, drafter, config, cost_model=cost_model, dtype_choice=choice)
-        logging.getLogger(__name__).info("engine: %s (%s, dtype %s: %s)", config.method,
-                                         engine.fingerprint.summary(), choice.dtype, choice.reason)
+        log.info("engine: %s (%s, dtype %s: %s)", config.method, engine.fingerprint.summary(),
+                 choice.dtype, choice.reason)
         return engine
 
     def _measured_cost_model(self) -> CostModel:

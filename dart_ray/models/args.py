@@ -71,10 +71,19 @@ class ModelArgs:
                                         "expected 'silu'")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=True is not supported")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise UnsupportedModelError(
+                f"quantised checkpoint (quant_method {method!r}) is not supported: its weights "
+                "would load without their scales; pass the unquantised checkpoint, or a GGUF "
+                "(dequantised on conversion)")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        # rope_scaling first, as transformers reads it (a rope_scaling added to a v5 config wins)
+        params = cfg.get("rope_parameters") or {}
+        rope = cfg.get("rope_scaling") or params
+        theta = rope.get("rope_theta", params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling = None
         rtype = rope.get("rope_type", rope.get("type", "default"))
         if rtype not in (None, "default"):
@@ -84,11 +93,7 @@ class ModelArgs:
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
             scaling["rope_type"] = rtype
         attention_bias = bool(cfg.get("attention_bias", False))
-        sliding = cfg.get("sliding_window")
-        if mt == "qwen2" and not cfg.get("use_sliding_window", False):
-            sliding = None
-        if mt == "qwen3" and not cfg.get("use_sliding_window", False):
-            sliding = None
+        sliding = _sliding_window(mt, cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -112,3 +117,24 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _sliding_window(model_type: str, cfg: dict) -> int | None:
+    """The window some layer of this checkpoint slides over, read as transformers reads it (None:
+    every layer attends to the whole sequence). Llama has none (a ``sliding_window`` key is
+    ignored); Mistral's defaults to 4096 when the key is absent; Qwen2/3 slide only with
+    ``use_sliding_window``, and then only layers from ``max_window_layers`` on (or those
+    ``layer_types`` names)."""
+    if model_type == "mistral":
+        return cfg.get("sliding_window", 4096)
+    if model_type in ("qwen2", "qwen3"):
+        window = cfg.get("sliding_window", 4096)
+        if not cfg.get("use_sliding_window", False) or window is None:
+            return None
+        types = cfg.get("layer_types")
+        if types is not None:
+            slides = "sliding_attention" in types
+        else:
+            slides = cfg.get("max_window_layers", 28) < cfg["num_hidden_layers"]
+        return window if slides else None
+    return None

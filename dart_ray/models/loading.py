@@ -39,6 +39,13 @@ DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 MODEL_ID_FILE = "dart_ray_model_id.txt"
 _QUANT_SUFFIX = re.compile(r"[.-](?:[QqFf]\d[\w]*|IQ\d[\w]*|BF16|bf16|fp16|fp32)$")
 
+QUANT_TENSOR_NAMES = frozenset({
+    "weight_scale", "weight_scale_inv", "input_scale", "weight_zero_point", "qweight", "qzeros",
+    "scales", "g_idx", "absmax", "quant_map", "quant_state", "SCB", "weight_packed"})
+"""Last name parts of the extra tensors quantised checkpoints carry (FP8, GPTQ/AWQ,
+bitsandbytes, compressed-tensors): a checkpoint with any of them is refused, never loaded without
+its scales."""
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,9 +89,16 @@ def convert_gguf(gguf: Path) -> Path:
     with _file_lock(out.parent / f".{out.name}.lock"):
         if (out / ".complete").is_file():
             return out
+        rope = gguf_rope_scaling(gguf)                 # refuses what it cannot convert, first
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
         try:
             _convert_with_transformers(gguf, tmp)
+            if rope is not None:      # transformers' conversion drops it: written back here
+                cfg = json.loads((tmp / "config.json").read_text())
+                theta = (cfg.get("rope_parameters") or {}).get("rope_theta",
+                                                               cfg.get("rope_theta", 10000.0))
+                cfg["rope_parameters"] = {**rope, "rope_theta": theta}
+                (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
             (tmp / MODEL_ID_FILE).write_text(gguf_model_id(gguf))
             (tmp / ".complete").write_text(str(gguf))
             if out.exists():
@@ -94,6 +108,44 @@ def convert_gguf(gguf: Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out
+
+
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+"""``general.architecture`` values of the GGUF files this engine runs."""
+
+
+def gguf_rope_scaling(gguf: Path) -> dict | None:
+    """Check a GGUF's header before converting it (a refusal after converting would leave an
+    fp32 copy of the whole model in the cache): an architecture of :data:`GGUF_ARCHITECTURES`
+    and a RoPE this engine reproduces. Returns its linear RoPE scaling (``rope_parameters``
+    without the theta; transformers' conversion drops it), or None."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf))
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: name it
+        raise ModelLoadError(f"could not read GGUF {gguf}: {type(e).__name__}: {e}") from e
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else None
+
+    arch = field("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"{gguf}: unsupported GGUF architecture {arch!r}; dart-ray "
+                                    f"runs {', '.join(GGUF_ARCHITECTURES)}")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise UnsupportedModelError(
+            f"{gguf}: RoPE frequency factors (rope_freqs.weight, how llama.cpp stores Llama 3.1+ "
+            "RoPE scaling) are not converted from GGUF; pass the HF model directory instead")
+    rtype = field(f"{arch}.rope.scaling.type") or "none"
+    if rtype == "none":
+        return None
+    factor = field(f"{arch}.rope.scaling.factor")
+    if rtype != "linear" or not factor:
+        raise UnsupportedModelError(f"{gguf}: RoPE scaling {rtype!r} (factor {factor}) is not "
+                                    "converted from GGUF (linear is); pass the HF model directory")
+    return {"rope_type": "linear", "factor": float(factor)}
 
 
 def _convert_with_transformers(gguf: Path, dst: Path) -> None:
@@ -192,7 +244,23 @@ def build_transformer(args: ModelArgs, state: dict[str, torch.Tensor], dtype: to
                       device: str | torch.device, max_seq_len: int = 4096) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args, max_seq_len)
+    quantised = sorted(k for k in state if k.rsplit(".", 1)[-1] in QUANT_TENSOR_NAMES)
+    if quantised:
+        raise ModelLoadError(f"the checkpoint holds quantisation tensors ({quantised[0]}, ...): "
+                             "quantised weights are not supported; pass the unquantised "
+                             "checkpoint, or a GGUF (dequantised on conversion)")
+    packed = sorted(k for k, v in state.items()
+                    if not v.is_floating_point() or v.element_size() < 2)
+    if packed:
+        raise ModelLoadError(f"tensor {packed[0]} is {state[packed[0]].dtype}: quantised or "
+                             "packed weights are not supported")
     ours = hf_state_to_ours(state, args)
+    expected = dict(model.named_parameters())
+    for k, v in ours.items():
+        if k in expected and tuple(v.shape) != tuple(expected[k].shape):
+            raise ModelLoadError(f"tensor for {k} has shape {tuple(v.shape)}, but config.json "
+                                 f"makes it {tuple(expected[k].shape)}: checkpoint and config "
+                                 "do not match")
     model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight

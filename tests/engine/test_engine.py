@@ -585,3 +585,40 @@ def test_drafting_that_catches_up_is_not_learned_as_a_steps_cost(tiny, tiny_base
         eng.step()
     assert seen == [(1, 4, True), (1, 4, False), (1, 0, False), (1, 4, False),
                     (2, 4, True), (2, 4, False)]
+
+
+def test_a_sliding_window_model_runs_to_its_window_plus_one_exactly(tmp_path, smollm_dir):
+    """A Mistral with a sliding window of W: the engine caps a request at W + 1 tokens whatever
+    the method (the last emitted token comes from position W - 1, which sees every key; the tree
+    scratch beyond is never emitted), and its greedy tokens equal transformers' (which slides)."""
+    from conftest import make_tiny_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    window = 24
+    d = make_tiny_checkpoint(tmp_path / "mistral", "mistral", smollm_dir, seed=3,
+                             sliding_window=window)
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    target = load_target(str(d), "fp32", max_seq_len=128)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(100, 120)), [9, 8, 7, 6]]
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=window + 8, do_sample=False,
+                              min_new_tokens=window + 8)[0, len(p):].tolist()
+        refs.append(out)
+    for method in ("none", "ngram", "dart"):
+        eng = make_engine(target, method, drafter="random" if method == "dart" else None,
+                          batch=3, seq=128)
+        assert eng.max_model_len == window + 1
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=window, ignore_eos=True))
+        for p, o, ref in zip(prompts, outs, refs, strict=True):
+            assert len(p) + len(o.token_ids) == window + 1 and o.finish_reason == "length"
+            assert o.token_ids == ref[:len(o.token_ids)], method
+    # the window matters: transformers without it continues differently past W + 1
+    unslid = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                  sliding_window=None).eval()
+    p = prompts[1]
+    with torch.no_grad():
+        free = unslid.generate(torch.tensor([p]), max_new_tokens=window + 8, do_sample=False,
+                               min_new_tokens=window + 8)[0, len(p):].tolist()
+    assert free[:window + 1 - len(p)] == refs[1][:window + 1 - len(p)] and free != refs[1]

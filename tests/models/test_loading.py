@@ -113,15 +113,60 @@ def test_args_rope_parsing():
                                                                     "rope_theta": 1e4}))
 
 
-def test_args_sliding_window():
-    m = hf_dict("llama")
-    m.update(model_type="mistral", sliding_window=4096)
-    assert ModelArgs.from_hf_config(m).sliding_window == 4096
-    q = hf_dict("qwen2")
-    q.update(sliding_window=4096, use_sliding_window=False)
-    assert ModelArgs.from_hf_config(q).sliding_window is None
-    q["use_sliding_window"] = True
-    assert ModelArgs.from_hf_config(q).sliding_window == 4096
+def _transformers_window(family: str, cfg: dict) -> int | None:
+    """The window transformers' own config, read back from ``cfg``, slides some layer over."""
+    import transformers as tf
+
+    c = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
+         "qwen3": tf.Qwen3Config}[family](**{k: v for k, v in cfg.items() if k != "model_type"})
+    if family == "mistral":
+        return c.sliding_window
+    types = getattr(c, "layer_types", None) or []
+    return c.sliding_window if "sliding_attention" in types else None
+
+
+@pytest.mark.parametrize("family, change", [
+    ("mistral", {"sliding_window": 100}), ("mistral", {"sliding_window": None}),
+    ("mistral", "drop"),                                   # key absent: Mistral's default, 4096
+    ("llama", {"sliding_window": 100}),                    # Llama has none: the key is ignored
+    ("qwen2", {"sliding_window": 100, "use_sliding_window": False}),
+    ("qwen2", {"sliding_window": 100, "use_sliding_window": True, "max_window_layers": 2}),
+    ("qwen2", {"sliding_window": 100, "use_sliding_window": True, "max_window_layers": 4}),
+    ("qwen3", {"sliding_window": 100, "use_sliding_window": True, "max_window_layers": 0}),
+    ("qwen3", {"sliding_window": 100, "use_sliding_window": True}),    # default 28 layers >= 4
+])
+def test_args_sliding_window_is_the_one_transformers_slides_over(family, change):
+    """The engine caps a request at a window only where transformers slides some layer over it
+    (checked against transformers' own config of the same config.json)."""
+    if change == "drop":
+        cfg = {k: v for k, v in hf_dict(family).items() if k not in ("sliding_window",
+                                                                       "layer_types")}
+    else:
+        cfg = {k: v for k, v in hf_dict(family).items() if k != "layer_types"}
+        cfg.update(change)
+    want = _transformers_window(family, cfg)
+    assert ModelArgs.from_hf_config(cfg).sliding_window == want
+    if family == "mistral" and change == "drop":
+        assert want == 4096
+    # a config.json written by transformers names its layers' types: read as transformers reads it
+    saved = {**hf_dict(family, **({} if change == "drop" else change)), "model_type": family}
+    assert ModelArgs.from_hf_config(saved).sliding_window == _transformers_window(family, saved)
+
+
+def test_args_refuse_quantised_checkpoints_and_read_rope_scaling_first():
+    """A quantised checkpoint would load its int/fp8 weights without their scales: refused. With
+    both rope_scaling and rope_parameters, rope_scaling decides, as in transformers."""
+    for qc in ({"quant_method": "fp8", "weight_block_size": [128, 128]},
+               {"quant_method": "compressed-tensors"}, {"quant_method": "bitsandbytes"}):
+        with pytest.raises(UnsupportedModelError, match=qc["quant_method"]):
+            ModelArgs.from_hf_config(hf_dict("llama") | {"quantization_config": qc})
+    both = hf_dict("llama") | {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert both["rope_parameters"]["rope_type"] == "default"
+    a = ModelArgs.from_hf_config(both)
+    assert a.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert a.rope_theta == both["rope_parameters"]["rope_theta"]
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelArgs.from_hf_config(both | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
 @pytest.mark.parametrize("change, word", [
@@ -236,6 +281,29 @@ def test_missing_tensor(tmp_path, tiny_dirs):
         load_target(str(d), "fp32")
 
 
+def _q_proj(state: dict) -> str:
+    return next(k for k in state if k.endswith("layers.0.self_attn.q_proj.weight"))
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda st: st.update({_q_proj(st): st[_q_proj(st)][:32]}), "shape .* do not match"),
+    (lambda st: st.update({_q_proj(st) + "_scale": torch.ones(1)}), "quantisation tensors"),
+    (lambda st: st.update({_q_proj(st): st[_q_proj(st)].to(torch.int8)}), "quantised or packed"),
+])
+def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, tiny_dirs, change, words):
+    """A tensor of another shape than config.json implies, a quantised checkpoint's scale
+    tensors, integer weights: a ModelLoadError naming the tensor, never a torch traceback or
+    weights loaded without their scales."""
+    from safetensors.torch import load_file, save_file
+
+    d = copy_dir(tiny_dirs["llama"], tmp_path / "m")
+    state = load_file(str(d / "model.safetensors"))
+    change(state)
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=words):
+        load_target(str(d), "fp32")
+
+
 def test_bad_gguf_magic(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("DART_RAY_CACHE", str(cache))
@@ -264,6 +332,114 @@ def test_corrupt_gguf_body_leaves_no_cache(tmp_path, monkeypatch):
     assert str(g) in str(ei.value)
     leftovers = [p for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock")]
     assert leftovers == []
+
+
+def write_tiny_gguf(path: Path, tokenizer_fields: dict, arch: str = "llama",
+                    rope_kv: dict | None = None, extra_tensors: dict | None = None) -> Path:
+    """A 1-layer random GGUF of ``arch`` with SmolLM2's tokenizer metadata (fp32 tensors)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    hidden, ffn, heads, kv, vocab = 32, 64, 4, 2, 49152
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    for name, value in (rope_kv or {}).items():
+        getattr(w, name)(value)
+    for name, value in tokenizer_fields.items():
+        getattr(w, name)(value)
+    hd = hidden // heads
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
+              "output.weight": (vocab, hidden), "blk.0.attn_norm.weight": (hidden,),
+              "blk.0.ffn_norm.weight": (hidden,), "blk.0.attn_q.weight": (heads * hd, hidden),
+              "blk.0.attn_k.weight": (kv * hd, hidden), "blk.0.attn_v.weight": (kv * hd, hidden),
+              "blk.0.attn_output.weight": (hidden, heads * hd),
+              "blk.0.ffn_gate.weight": (ffn, hidden), "blk.0.ffn_up.weight": (ffn, hidden),
+              "blk.0.ffn_down.weight": (hidden, ffn)}
+    for name, shape in shapes.items():
+        w.add_tensor(name, rng.normal(0, 0.3, shape).astype(np.float32))
+    for name, value in (extra_tensors or {}).items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer_fields() -> dict:
+    """GGUFWriter calls that copy the embedded GGUF's tokenizer (what a GGUF conversion needs)."""
+    import gguf
+
+    from dart_ray.models import default_gguf_path
+
+    setters = {"tokens": "add_token_list", "token_type": "add_token_types",
+               "merges": "add_token_merges", "model": "add_tokenizer_model",
+               "pre": "add_tokenizer_pre", "bos_token_id": "add_bos_token_id",
+               "eos_token_id": "add_eos_token_id", "padding_token_id": "add_pad_token_id"}
+    fields = gguf.GGUFReader(str(default_gguf_path())).fields
+    return {setter: fields[f"tokenizer.ggml.{key}"].contents() for key, setter in setters.items()
+            if f"tokenizer.ggml.{key}" in fields}
+
+
+def test_gguf_rope_scaling_kept_and_what_cannot_run_refused_before_converting(
+        tmp_path, monkeypatch, smollm_tokenizer_fields):
+    """transformers' GGUF conversion drops a linear RoPE scaling: it is written back, and the
+    converted model is transformers' model with that scaling. An architecture this engine does not
+    run, RoPE frequency factors (Llama 3.1+) or a scaling it does not convert are refused from the
+    header, before an fp32 copy of the model lands in the cache."""
+    import numpy as np
+    from gguf import RopeScalingType
+    from transformers import AutoModelForCausalLM
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DART_RAY_CACHE", str(cache))
+    fields = smollm_tokenizer_fields
+    lin = write_tiny_gguf(tmp_path / "lin.gguf", fields,
+                          rope_kv={"add_rope_scaling_type": RopeScalingType.LINEAR,
+                                   "add_rope_scaling_factor": 4.0})
+    t = load_target(str(lin), "fp32", max_seq_len=64)
+    assert t.args.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    hf = AutoModelForCausalLM.from_pretrained(str(t.model_dir), dtype=torch.float32).eval()
+    ids = torch.arange(100, 140)[None]
+    with torch.no_grad():
+        want = hf(ids).logits[0]
+        plain = write_tiny_gguf(tmp_path / "plain.gguf", fields)
+        unscaled = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(plain)),
+                                                        dtype=torch.float32)(ids).logits[0]
+    from dart_ray.masks import attention_mask, causal_ancestors
+
+    n = ids.shape[1]
+    got = t.model(ids, torch.arange(n)[None], attention_mask([0], causal_ancestors(n), n,
+                                                             torch.float32),
+                  t.model.new_cache(1, 64)).logits[0]
+    assert torch.allclose(got, want, atol=1e-4)
+    assert (unscaled - want).abs().max() > 1e-2              # the scaling matters here
+
+    before = set(p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock"))
+    refused = {
+        "gemma2": write_tiny_gguf(tmp_path / "g.gguf", fields, arch="gemma2"),
+        "rope_freqs": write_tiny_gguf(tmp_path / "f.gguf", fields, extra_tensors={
+            "rope_freqs.weight": np.ones(4, np.float32)}),
+        "'yarn'": write_tiny_gguf(tmp_path / "y.gguf", fields, rope_kv={
+            "add_rope_scaling_type": RopeScalingType.YARN, "add_rope_scaling_factor": 4.0}),
+    }
+    for word, g in refused.items():
+        with pytest.raises(UnsupportedModelError, match=word) as ei:
+            load_target(str(g), "fp32")
+        assert str(g) in str(ei.value)
+    after = set(p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock"))
+    assert after == before
 
 
 def test_torch_dtype():
