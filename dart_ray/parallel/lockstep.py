@@ -20,10 +20,12 @@ Several engines (e.g. Serve lanes) may share one TP group: every ``new_cache`` g
 followers keep one cache per id. Commands are serialised by a lock, so engines on different threads
 cannot interleave their collectives.
 
-Failure model: a follower that raises while executing a command logs it and continues — the errors
-the engine can trigger (cache overflow, bad mask shape) are raised identically by rank 0 before any
-collective, so the ranks stay in step. A follower that dies makes rank 0's next collective fail
-(after at most the group timeout) rather than hang.
+Failure model: a follower whose command raises ``ValueError``/``TypeError`` logs it and continues —
+the errors the engine can trigger (cache overflow, bad mask shape) are raised identically by rank 0
+before any collective, so the ranks stay in step. Any other error leaves the loop (its state may now
+differ from rank 0's: decoding on would be silently wrong); the follower's caller closes the group,
+so rank 0's next collective fails at once and the group is marked failed. A follower that dies
+makes rank 0's next collective fail (after at most the group timeout) rather than hang.
 """
 
 from __future__ import annotations
@@ -369,5 +371,15 @@ def follower_loop(model: Transformer, tp: TPGroup) -> int:
                 caches.pop(a["cache"], None)
             else:
                 raise ValueError(f"unknown tensor-parallel command {op!r}")
-        except Exception:   # rank 0 raises the same error for the same state; stay in the loop
+        except (ValueError, TypeError):
+            # rank 0 raises the same error for the same state (its Leader.command keeps the
+            # group for these too): stay in the loop
             logger.exception("rank %d: command %r failed (pid %d)", tp.rank, op, os.getpid())
+        except Exception as e:
+            # anything else happened here alone: this shard's state may now differ from rank
+            # 0's, and a shard that decodes on would make the output silently wrong. Leave: the
+            # caller closes the group, so rank 0's next collective fails at once
+            logger.exception("rank %d: command %r failed (pid %d); leaving the group", tp.rank,
+                             op, os.getpid())
+            raise RuntimeError(f"tensor-parallel rank {tp.rank}: command {op!r} failed: "
+                               f"{type(e).__name__}: {e}") from e

@@ -241,6 +241,60 @@ def test_follower_death_fails_fast(tiny_tp_dir):
             g.engine.model.check_health()
 
 
+def follower_failing_one_commit(rank, world, init_method, cfg, timeout_s, load_timeout_s):
+    """A follower (spawned process entry) whose third KV-cache commit fails: an error of this
+    rank alone, after which its cache would differ from rank 0's."""
+    from dart_ray import kv_cache
+    from dart_ray.parallel.launch import tp_worker_main
+
+    commit, calls = kv_cache.KVCache.commit, [0]
+
+    def failing_commit(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected follower commit failure")
+        return commit(self, *args, **kwargs)
+
+    kv_cache.KVCache.commit = failing_commit
+    tp_worker_main(rank, world, init_method, cfg, timeout_s, load_timeout_s)
+
+
+@pytest.mark.timeout(180)
+def test_a_follower_error_of_its_own_fails_the_group_not_the_output(tiny_tp_dir):
+    """A follower whose command fails there alone leaves the group: rank 0's next collective fails
+    at once (well inside the collective timeout) and the group is marked failed -- the follower
+    never decodes on with a KV cache that differs from rank 0's (silently wrong tokens)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    from dart_ray.parallel.launch import (
+        LocalTPGroup,
+        build_tp_engine,
+        free_port,
+        init_tp_group,
+    )
+
+    cfg = tp_config(tiny_tp_dir, "dart").replace(max_batch_size=2)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    proc = mp.get_context("spawn").Process(target=follower_failing_one_commit,
+                                           args=(1, 2, init, cfg, 60.0, 120.0), daemon=True)
+    proc.start()
+    tp = init_tp_group(0, 2, init, "cpu", 60.0)
+    g = LocalTPGroup(build_tp_engine(cfg, tp, 120.0), tp, [proc])
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError):
+            g.engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        assert time.perf_counter() - t0 < 30
+        with pytest.raises(RuntimeError, match="group failed"):
+            g.engine.model.check_health()
+        proc.join(30)
+        assert proc.exitcode not in (None, 0)          # the follower left with its error
+    finally:
+        g.shutdown(timeout_s=10)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gloo_tp2_smollm_equals_tp1(smollm_dir):
