@@ -12,8 +12,10 @@ raised where they are found; :func:`engine_error` maps everything else:
 * 503 ``queue_full`` + ``Retry-After``: the engine's queue is full, or Serve's back-pressure;
 * 503 ``engine_unavailable``: the engine thread is down, or the engine deployment failed to deploy;
 * **503 ``replica_lost`` + ``Retry-After``**: the engine replica serving the request (its process or
-  its node) was lost after the request's first output; nothing more comes, the client retries
-  (a loss *before* the first output is retried on another replica by the ingress, unseen);
+  its node, or a worker of its tensor-parallel group) was lost after the request's first output;
+  nothing more comes, the client retries (a loss *before* the first output is retried on another
+  replica by the ingress, unseen -- also a replica whose TP group failed, which refuses new
+  requests with this error until Serve replaces it);
 * 500 ``engine_error``: an engine step failed (the requests of that step fail, the server goes on);
 * 500 (no code): anything else.
 

@@ -228,10 +228,14 @@ class Ingress:
         async def attempt(n: int):
             stream = self.engine.generate(req, rid if n == 0 else f"{rid}-retry{n}")
             try:
-                return stream, await _next(stream)
+                first = await _next(stream)
             except BaseException:
                 _cancel(stream)
                 raise
+            if isinstance(first, APIError) and first.code == REPLICA_LOST:
+                # the replica took the request but can serve no more (a failed TP group)
+                raise ReplicaLostError(first.message)
+            return stream, first
 
         return await self._retrying(f"request {rid}", attempt)
 

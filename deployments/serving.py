@@ -39,7 +39,7 @@ from dart_ray import Engine, RequestOutput, SamplingParams, allocator_in_use, en
 from dart_ray.engine.async_engine import MAIN_LANE, AsyncEngine, LaneLimitError, RequestTiming
 from deployments.config import ServeArgs
 from deployments.engine_factory import ReplicaEngine, lane_factory, make_engine
-from deployments.errors import engine_error
+from deployments.errors import ReplicaLostError, engine_error
 from deployments.metrics import ServerMetrics
 from deployments.protocol import (
     APIError,
@@ -268,6 +268,8 @@ class DartRayServer:
         t0 = time.perf_counter()
         agen = track = last = None
         try:
+            if self._hooks.check_health is not None:
+                self._hooks.check_health()           # a failed TP group takes no request
             self._check_model(req.model)
             self._check_prompt_size(req)             # before a lane is built or anything tokenised
             lane = await self._lane(req.speculative)
@@ -288,10 +290,23 @@ class DartRayServer:
                 track.aborted(last)
             raise
         except Exception as e:  # noqa: BLE001 - the stream ends with the error, in-band
-            yield engine_error(e, self.args.retry_after_s)
+            yield engine_error(self._replica_failure(e), self.args.retry_after_s)
         finally:
             if agen is not None:
                 await agen.aclose()
+
+    def _replica_failure(self, e: Exception) -> Exception:
+        """``e``, or a :class:`ReplicaLostError` when this replica can serve no more (its
+        tensor-parallel group failed): then the request is retryable elsewhere (503
+        ``replica_lost``; the ingress resubmits one with no output yet), not a 500 of its own."""
+        if self._hooks.check_health is None:
+            return e
+        try:
+            self._hooks.check_health()
+        except Exception as failed:  # noqa: BLE001 - any failure of the group's health
+            return ReplicaLostError(f"this engine replica's tensor-parallel group failed "
+                                    f"({failed}); Serve replaces the replica")
+        return e
 
     def model_card(self) -> dict:
         """The ``/v1/models`` entry of this replica's model."""

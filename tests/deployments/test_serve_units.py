@@ -3,6 +3,7 @@ cluster)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -611,6 +612,13 @@ def test_build_app_is_an_ingress_in_front_of_the_engine_deployment(monkeypatch):
         ingress_actor_options(-1, True)
 
 
+@dataclasses.dataclass
+class _InBand:
+    """A stream item that is an error the replica yields (its refusals, in-band), not raises."""
+
+    error: Exception
+
+
 class _Outputs:
     """A fake engine stream: yields ``items`` (an exception item is raised there), then ends;
     ``hang=True`` waits forever after them (a long generation)."""
@@ -632,7 +640,7 @@ class _Outputs:
         if isinstance(item, BaseException):
             raise item
         await asyncio.sleep(0)
-        return item
+        return item.error if isinstance(item, _InBand) else item
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -787,6 +795,26 @@ def test_ingress_resubmits_a_request_whose_replica_is_lost_before_any_output():
         assert engine.request_ids == [rid, f"{rid}-retry1", f"{rid}-retry2", f"{rid}-retry3"]
         assert ingress.metrics.retries == 3 and ingress.metrics.errors == {}
         assert all(s.cancelled for s in engine.streams[:3])
+
+
+def test_ingress_resubmits_a_request_a_failed_tp_replica_refuses():
+    """A replica whose tensor-parallel group failed answers a new request with an in-band 503
+    replica_lost (before any output): resubmitted like a lost replica, the client sees a 200; a
+    refusal of another kind is the client's answer at once."""
+    from deployments.errors import REPLICA_LOST
+
+    lost = APIError(503, "the engine replica's tensor-parallel group failed", "server_error", None,
+                    REPLICA_LOST)
+    engine = _FakeEngine([_InBand(lost)], [_out("Hel", 1), _out("lo", 2, True)])
+    ingress, app = _ingress(engine, retry_after_s=2)
+    status, headers, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x"})
+    assert status == 200 and json.loads(body)["choices"][0]["text"] == "Hello"
+    assert len(engine.request_ids) == 2 and ingress.metrics.retries == 1
+    bad = APIError(400, "too long", "invalid_request_error", "prompt", "context_length_exceeded")
+    engine = _FakeEngine([_InBand(bad)])
+    ingress, app = _ingress(engine)
+    status, _, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x"})
+    assert status == 400 and len(engine.request_ids) == 1 and ingress.metrics.retries == 0
 
 
 def test_ingress_gives_up_after_max_replica_retries():
@@ -952,6 +980,60 @@ def test_a_consumer_that_stops_at_the_finished_output_is_finished_one_that_leave
     assert metrics.prompt_len.sum - prompt_before == 2
     asyncio.run(leave(one_then_wait, after_first=True))
     assert metrics.requests["abort"] == metrics.aborted == 2
+
+
+def test_a_replica_whose_tp_group_failed_answers_replica_lost_not_500():
+    """Once a tensor-parallel worker is gone, a new request (before anything is tokenised) and an
+    in-flight one the failed step ends both get a retryable 503 replica_lost, which the ingress
+    resubmits to a live replica; with the group healthy, a failed step stays a 500."""
+    import asyncio
+    import types
+
+    from dart_ray.engine.async_engine import EngineStepError
+    from deployments.serving import DartRayServer
+
+    cls = DartRayServer.func_or_class
+    group = {"failed": False}
+
+    def check_group():
+        if group["failed"]:
+            raise RuntimeError("a tensor-parallel worker exited")
+
+    async def failing_step(*a, **kw):
+        group["failed"] = group["step_fails_it"]
+        raise EngineStepError("engine step failed: RuntimeError('gloo: connection reset')")
+        yield
+
+    async def prepare(req):
+        prepared.append(req)
+        return [5, 6]
+
+    async def lane(speculative):
+        return "main"
+
+    fake = types.SimpleNamespace(
+        _hooks=types.SimpleNamespace(check_health=check_group), _check_model=lambda m: None,
+        _check_prompt_size=lambda r: None, _lane=lane, _prepare=prepare,
+        _params=lambda req, n: SamplingParams(max_new_tokens=2),
+        server_metrics=ServerMetrics("tiny"), aengine=types.SimpleNamespace(stream=failing_step),
+        args=types.SimpleNamespace(retry_after_s=1.0))
+    fake._replica_failure = lambda e: cls._replica_failure(fake, e)
+
+    async def first_item():
+        agen = cls.generate(fake, parse_completion({"prompt": "x"}), "r")
+        try:
+            return await agen.__anext__()
+        finally:
+            await agen.aclose()
+
+    prepared: list = []
+    for fails_it, code, status in ((False, "engine_error", 500), (True, "replica_lost", 503)):
+        group.update(failed=False, step_fails_it=fails_it)
+        err = asyncio.run(first_item())
+        assert (err.code, err.status) == (code, status)
+    assert len(prepared) == 2
+    err = asyncio.run(first_item())                 # the group is down: refused before any work
+    assert (err.code, err.status) == ("replica_lost", 503) and len(prepared) == 2
 
 
 def test_serve_checks_the_profile_before_starting_anything(tmp_path, caplog, capsys):
