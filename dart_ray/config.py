@@ -582,12 +582,22 @@ def add_renamed_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
                         default=argparse.SUPPRESS, **kwargs)
 
 
+PATH_FIELDS = {"model": "default", "drafter": "random", "ngram": "none"}
+"""EngineConfig fields naming files, and the one word each takes that is not a path."""
+
+
 def engine_args(namespace: argparse.Namespace) -> dict:
-    """The engine fields a command line set (flags of :func:`add_engine_args` that are not None)."""
+    """The engine fields a command line set (flags of :func:`add_engine_args` that are not None).
+    A relative ``--model``/``--drafter``/``--ngram`` that exists here is made absolute: the config
+    travels to processes with another working directory (Tune trials run in their trial
+    directories)."""
     out = {}
     for name, _, kwargs in _engine_flags():
         v = getattr(namespace, kwargs.get("dest", name), None)
         if v is not None:
+            if name in PATH_FIELDS and v != PATH_FIELDS[name] \
+                    and os.path.exists(os.path.expanduser(v)):
+                v = os.path.abspath(os.path.expanduser(v))
             out[name] = v
     return out
 

@@ -123,7 +123,7 @@ def settings_from_args(a: argparse.Namespace):
 
 def tune_cli(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    from tuning.runner import run_tune
+    from tuning.runner import NoTrialCompletedError, run_tune
     from tuning.study import StudyMismatchError
 
     try:
@@ -132,6 +132,9 @@ def tune_cli(argv: list[str] | None = None) -> int:
     except (StudyMismatchError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NoTrialCompletedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume from the storage", file=sys.stderr)
         return 130

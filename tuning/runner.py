@@ -70,8 +70,26 @@ from tuning.start import (
 )
 from tuning.write import TuneOutcome, write_outcome
 
+
+class NoTrialCompletedError(RuntimeError):
+    """Trials ran, and every one of them failed: nothing was measured, so no profile is written
+    (a profile of the defaults would overwrite ``--out`` as if it had been tuned)."""
+
+
+def check_some_trial_completed(results: Sequence[BatchResult], s: TuneSettings) -> None:
+    """Raise :class:`NoTrialCompletedError` when trials failed and none completed at any batch size
+    (a budget too small to start any keeps the defaults, as the profile's meta says)."""
+    failed = sum(r.counts.get("failed", 0) for r in results)
+    if failed and not any(r.counts.get("complete", 0) for r in results):
+        raise NoTrialCompletedError(
+            f"all {failed} trial(s) failed at every batch size, none completed: no profile "
+            f"written to {s.out}. The trials' errors are in the log above and Ray Tune's trial "
+            f"logs under {s.results_path}")
+
+
 __all__ = ["DEFAULT_TRIALS", "MAX_BATCH_BOUND", "TUNABLE_METHODS", "WARM_TRIALS", "BatchResult",
-           "Deadline", "TuneOutcome", "TuneRun", "TuneSettings", "run_tune", "warm_points"]
+           "Deadline", "NoTrialCompletedError", "TuneOutcome", "TuneRun", "TuneSettings",
+           "run_tune", "warm_points"]
 
 
 def run_tune(s: TuneSettings, callbacks: Sequence = (),
@@ -87,6 +105,7 @@ def run_tune(s: TuneSettings, callbacks: Sequence = (),
     try:
         run = start_tune(s, deadline, log, prompts, warm)
         results = search(run, callbacks)
+        check_some_trial_completed(results, s)
         configs = choose(run, results)
         return write_outcome(run, results, configs)
     finally:

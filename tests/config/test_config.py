@@ -134,6 +134,22 @@ def test_from_args_round_trip_covers_every_field():
     assert EngineConfig.from_args(a) == CUSTOM
 
 
+def test_relative_paths_that_exist_here_become_absolute(tmp_path, monkeypatch):
+    """The config travels to processes with another working directory (a Tune trial runs in its
+    trial directory): --model/--drafter/--ngram naming a relative path that exists here are made
+    absolute; the words that are not paths, absolute paths and names that are no path here stay."""
+    monkeypatch.chdir(tmp_path)
+    for d in ("m", "d", "n", "default", "random", "none"):
+        (tmp_path / d).mkdir()
+    a = _parser().parse_args(["--model", "m", "--drafter", "d", "--ngram", "./n"])
+    assert engine_args(a) == {"model": str(tmp_path / "m"), "drafter": str(tmp_path / "d"),
+                              "ngram": str(tmp_path / "n")}
+    a = _parser().parse_args(["--model", "default", "--drafter", "random", "--ngram", "none"])
+    assert engine_args(a) == {"model": "default", "drafter": "random", "ngram": "none"}
+    a = _parser().parse_args(["--model", "/abs/m", "--drafter", "not-here"])
+    assert engine_args(a) == {"model": "/abs/m", "drafter": "not-here"}
+
+
 def test_no_flags_means_the_defaults_or_the_base():
     a = _parser().parse_args([])
     assert engine_args(a) == {}

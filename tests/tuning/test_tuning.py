@@ -329,6 +329,37 @@ def test_cli_args(tmp_path):
     assert dataclasses.replace(s, engine={"method": "ngram"}).engine == EngineConfig(method="ngram")
 
 
+def test_a_tune_whose_every_trial_failed_writes_no_profile(tmp_path, monkeypatch, capsys):
+    """Trials ran and all failed: an error (exit 1) and --out untouched, not a profile of the
+    defaults as if tuned; one completed trial anywhere, or none started (budget), goes on."""
+    import tuning.runner as runner
+    from tuning.cli import build_parser, settings_from_args, tune_cli
+    from tuning.search import BatchResult
+
+    def result(b, **counts):
+        return BatchResult(batch_size=b, study_name=f"w.bs{b}", counts={
+            "complete": 0, "pruned": 0, "failed": 0, "interrupted": 0, "load_flagged": 0,
+            **counts}, ran_trials=sum(counts.values()), default_params={}, best_params=None,
+            best_trial=None)
+
+    out = tmp_path / "x.yaml"
+    s = settings_from_args(build_parser().parse_args(["--prompts", "p", "--workload", "w",
+                                                      "--out", str(out)]))
+    with pytest.raises(runner.NoTrialCompletedError, match="all 3 trial"):
+        runner.check_some_trial_completed([result(1, failed=2), result(4, failed=1)], s)
+    runner.check_some_trial_completed([result(1, failed=2), result(4, complete=1)], s)
+    runner.check_some_trial_completed([result(1), result(4)], s)        # budget: none started
+
+    out.write_text("kept\n")
+
+    def all_failed(settings, log=print, callbacks=()):
+        runner.check_some_trial_completed([result(1, failed=2)], settings)
+
+    monkeypatch.setattr(runner, "run_tune", all_failed)
+    assert tune_cli(["--prompts", "p", "--workload", "w", "--out", str(out)]) == 1
+    assert "no profile written" in capsys.readouterr().err and out.read_text() == "kept\n"
+
+
 def test_study_fingerprint_is_the_engine_fingerprint_plus_the_workload(tmp_path):
     """Issue 18: a study records ``EngineConfig.fingerprint()`` (less max_batch_size, which follows
     the run's batch sizes) with the workload and the machine; any other engine setting refuses a
