@@ -41,9 +41,19 @@ def gen_prompts_cli(argv: list[str] | None = None) -> int:
                         "next; pre-query: the target writes the user's turn of its own chat "
                         "template (Magpie), from its own prior over requests")
     a = p.parse_args(argv)
-    out = generate_prompts(a.out, a.n, a.model, a.dtype, a.temperature, a.top_p, a.max_new_tokens,
-                           a.batch_size, a.shard_size, a.seed, a.multi_turn_frac, a.threshold,
-                           a.threads, a.max_shards, device=a.device, style=a.style)
+    from dart_ray.training.selfinstruct import GenerationStalledError
+
+    try:
+        out = generate_prompts(a.out, a.n, a.model, a.dtype, a.temperature, a.top_p,
+                               a.max_new_tokens, a.batch_size, a.shard_size, a.seed,
+                               a.multi_turn_frac, a.threshold, a.threads, a.max_shards,
+                               device=a.device, style=a.style)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dart-ray gen-prompts: error: {e}", file=sys.stderr)
+        return 2
+    except GenerationStalledError as e:
+        print(f"dart-ray gen-prompts: error: {e}", file=sys.stderr)
+        return 1
     print(f"prompts in {out}: "
           f"{(out / 'stats.json').read_text() if (out / 'stats.json').is_file() else ''}")
     return 0
@@ -107,13 +117,17 @@ def gen_data_cli(argv: list[str] | None = None) -> int:
         print(f"text rows in {write_text_corpus(a.out, a.text_tokens, a.model, seed=a.seed)}")
     if a.n_code + a.n_chat == 0 and a.eval_prompts is None:
         return 0
-    out = generate_data(a.out, a.n_code, a.n_chat, a.max_new_tokens, a.batch_size, a.temperature,
-                        a.model, a.dtype, method=a.method, shard_size=a.shard_size, seed=a.seed,
-                        threads=a.threads,
-                        max_shards=a.max_shards, prompts_dir=a.prompts,
-                        followup_temperature=a.followup_temperature, device=a.device,
-                        exclude_data=a.exclude_data or None, only_split=a.only_split,
-                        eval_prompts=a.eval_prompts)
+    try:
+        out = generate_data(a.out, a.n_code, a.n_chat, a.max_new_tokens, a.batch_size,
+                            a.temperature, a.model, a.dtype, method=a.method,
+                            shard_size=a.shard_size, seed=a.seed, threads=a.threads,
+                            max_shards=a.max_shards, prompts_dir=a.prompts,
+                            followup_temperature=a.followup_temperature, device=a.device,
+                            exclude_data=a.exclude_data or None, only_split=a.only_split,
+                            eval_prompts=a.eval_prompts)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dart-ray gen-data: error: {e}", file=sys.stderr)
+        return 2
     print(f"{'evaluation answers' if a.eval_prompts is not None else 'data'} in {out}")
     return 0
 

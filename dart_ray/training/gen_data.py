@@ -138,6 +138,12 @@ def generate_data(out_dir: str | Path, n_code: int = 1500, n_chat: int = 500,
         engine = Engine.from_config(EngineConfig(model=model, method=method, ngram="none",
                                                  dtype=dtype, device=device,
                                                  max_batch_size=batch_size, num_threads=threads))
+    from dart_ray.training.selfinstruct import check_generation, engine_generation
+
+    check_generation(out, {**engine_generation(engine), "max_new_tokens": max_new_tokens,
+                           "temperature": temperature, "followup_temperature": followup_temperature,
+                           "seed": seed, "val_frac": val_frac},
+                     has_rows=len(todo) < len(shards))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     bar = None
     if progress:

@@ -421,6 +421,37 @@ def write_text_atomic(text: str, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+GENERATION_FILE = "generation.json"
+"""What made a generated directory's rows (the target, its dtype, the sampling): a resumed run must
+make the rest the same way."""
+
+
+def check_generation(out: Path, settings: dict, has_rows: bool) -> None:
+    """Refuse to add rows to ``out`` made with other ``settings`` than its own (the target's model
+    id and resolved dtype, the sampling knobs), which would mix two generators' text in one
+    dataset; record them on a first run. A directory with rows but no record (made before the
+    record existed) is continued with a warning."""
+    f = out / GENERATION_FILE
+    if f.is_file():
+        have = json.loads(f.read_text())
+        changed = {k: (have[k], v) for k, v in settings.items() if k in have and have[k] != v}
+        if changed:
+            raise ValueError(f"{out} holds rows generated with other settings (was, now: "
+                             f"{changed}); use a new --out, or the settings of the run that "
+                             "made them")
+        settings = {**have, **settings}
+    elif has_rows:
+        print(f"warning: {out} has rows but no {GENERATION_FILE} (made before it existed); "
+              "cannot check that they were generated the same way")
+    write_text_atomic(json.dumps(settings, indent=2, sort_keys=True), f)
+
+
+def engine_generation(engine) -> dict:
+    """The generator's identity in :func:`check_generation`: target model id and resolved dtype."""
+    fp = engine.fingerprint
+    return {"model": fp.model, "dtype": fp.dtype}
+
+
 def _write_jsonl_atomic(rows: list[dict], dst: Path) -> None:
     write_text_atomic("".join(json.dumps(r) + "\n" for r in rows), dst)
 
@@ -436,6 +467,14 @@ def load_prompt_rows(prompts_dir: str | Path, limit: int | None = None) -> list[
         with open(f) as fh:
             rows.extend(json.loads(line) for line in fh if line.strip())
     return rows[:limit] if limit is not None else rows
+
+
+MAX_BARREN_SHARDS = 8
+"""Shards in a row without a kept prompt after which :func:`generate_prompts` gives up."""
+
+
+class GenerationStalledError(RuntimeError):
+    """Generation goes on without keeping anything new (it would run forever)."""
 
 
 def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = None,
@@ -486,12 +525,16 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
         return out
     from dart_ray import SamplingParams
 
+    if style == PRE_QUERY and temperature <= 0:
+        raise ValueError("pre-query sampling needs temperature > 0: every slot asks the same "
+                         "prefix, so greedy decoding writes one request over and over")
     if engine is None:
         from dart_ray import Engine, EngineConfig
 
         engine = Engine.from_config(EngineConfig(model=model, method="none", dtype=dtype,
                                                  device=device, max_batch_size=batch_size,
                                                  num_threads=threads, adaptive=False))
+    check_generation(out, engine_generation(engine), has_rows=bool(done))
     bar = None
     if progress:
         from tqdm import tqdm
@@ -499,7 +542,13 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
     prefix = pre_query_prefix(engine.tokenizer) if style == PRE_QUERY else None
     # a list item ends at its line; a pre-query user turn at the end-of-turn token (eos)
     stop = () if prefix is not None else ("\n",)
+    barren = 0                       # shards in a row that kept nothing
     while kept < n and (max_shards is None or shard < max_shards):
+        if barren >= MAX_BARREN_SHARDS:
+            raise GenerationStalledError(
+                f"{barren} shards in a row kept no new prompt ({kept} of {n} kept; this run: "
+                f"{filters.counts}): the generator repeats itself or writes nothing clean. "
+                f"Raise --temperature, lower --n, or use another --seed/--style")
         slots = shard_plan(shard, shard_size, seed, multi_turn_frac, style=style)
         sp = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              seed=s.seed, stop=stop) for s in slots]
@@ -513,6 +562,7 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
                              "multi_turn": s.multi_turn, "source": "chat"})
         _write_jsonl_atomic(rows, out / f"prompts-{shard:05d}.jsonl")
         kept += len(rows)
+        barren = 0 if rows else barren + 1
         by_category.update(r["category"] for r in rows)
         shard += 1
         # after every shard: a run stopped by a signal or a time box still leaves its stats

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -133,6 +134,8 @@ class _FakeEngine:
             "Explain how tides work near a long sandy beach!",
             "List four uses of baking soda at home.",
             "Plan a three-day trip to Kyoto with one museum per day.")
+
+    fingerprint = SimpleNamespace(model="fake-target", dtype="fp32")
 
     def __init__(self):
         self.calls = 0
@@ -287,6 +290,8 @@ class _PreQueryEngine:
             "My laptop fan is loud whenever I open a browser. What can I check?",
             "Write a thank-you note for a neighbour who fed my cat all week.")
 
+    fingerprint = SimpleNamespace(model="fake-target", dtype="fp32")
+
     def __init__(self, prefix):
         self.prefix = prefix
         self.tokenizer = self
@@ -309,6 +314,26 @@ class _PreQueryEngine:
                         if k == len(self.POOL)
                         else _Done(self.POOL[k]))
         return outs
+
+
+def test_gen_data_resumes_only_with_the_settings_that_made_its_rows(tmp_path, tiny_dirs):
+    """Shards answered with one answer length, temperature or target are not continued with
+    another (the rows would mix two kinds of answers): refused, naming the setting."""
+    from dart_ray import Engine, EngineConfig
+    from dart_ray.training.gen_data import generate_data
+
+    corpus = [{"prompt": f"def f{i}(x):", "chat": False, "source": "code"} for i in range(3)]
+    eng = Engine.from_config(EngineConfig(model=str(tiny_dirs["llama"]), method="none",
+                                          dtype="fp32", max_batch_size=2))
+    kw = {"corpus": corpus, "shard_size": 1, "progress": False, "engine": eng}
+    out = generate_data(tmp_path / "d", max_new_tokens=6, max_shards=1, **kw)
+    for change, word in (({"max_new_tokens": 3}, "max_new_tokens"),
+                         ({"max_new_tokens": 6, "temperature": 1.0}, "temperature")):
+        with pytest.raises(ValueError, match=word):
+            generate_data(out, max_shards=2, **{**kw, **change})
+    assert len(list(out.glob("shard-*.parquet"))) == 1
+    generate_data(out, max_new_tokens=6, max_shards=2, **kw)
+    assert len(list(out.glob("shard-*.parquet"))) == 2
 
 
 def test_generate_prompts_pre_query_style(tmp_path):
@@ -338,6 +363,47 @@ def test_generate_prompts_pre_query_style(tmp_path):
     assert a == shard_plan(1, 6, seed=2, style="pre-query") != shard_plan(2, 6, seed=2,
                                                                          style="pre-query")
     assert all(s.prompt == "" and s.category == PRE_QUERY for s in a)
+
+
+class _OneLineEngine(_FakeEngine):
+    """Writes the same clean request whatever it is asked: one prompt is kept, then none."""
+
+    def generate(self, prompts, params, chat=False):
+        self.calls += len(prompts)
+        return [_Done(" List four uses of baking soda at home.") for _ in prompts]
+
+
+def test_generate_prompts_stops_when_nothing_new_is_kept_and_refuses_greedy_pre_query(tmp_path):
+    """A generator that keeps repeating itself is an error after MAX_BARREN_SHARDS shards without
+    a new prompt, not a run that never ends; greedy pre-query sampling (one prefix for every
+    slot, so one text) is refused before any work."""
+    from dart_ray.training.selfinstruct import MAX_BARREN_SHARDS, GenerationStalledError
+
+    eng = _OneLineEngine()
+    with pytest.raises(GenerationStalledError, match=f"{MAX_BARREN_SHARDS} shards in a row"):
+        generate_prompts(tmp_path / "a", n=50, shard_size=4, progress=False, engine=eng)
+    assert len(load_prompt_rows(tmp_path / "a")) == 1
+    assert eng.calls == 4 * (1 + MAX_BARREN_SHARDS)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        generate_prompts(tmp_path / "b", n=5, progress=False, engine=_PreQueryEngine([1]),
+                         style="pre-query", temperature=0.0)
+
+
+def test_generated_rows_are_not_continued_by_another_generator(tmp_path):
+    """A resumed gen-prompts with another target (or dtype) is refused: its requests would mix
+    two generators' text in one dataset; the same generator continues."""
+    kw = {"n": 40, "shard_size": 12, "progress": False, "seed": 3}
+    generate_prompts(tmp_path / "a", max_shards=1, engine=_FakeEngine(), **kw)
+    other = _FakeEngine()
+    other.fingerprint = SimpleNamespace(model="another-target", dtype="fp32")
+    with pytest.raises(ValueError, match="another-target"):
+        generate_prompts(tmp_path / "a", max_shards=2, engine=other, **kw)
+    bf16 = _FakeEngine()
+    bf16.fingerprint = SimpleNamespace(model="fake-target", dtype="bf16")
+    with pytest.raises(ValueError, match="bf16"):
+        generate_prompts(tmp_path / "a", max_shards=2, engine=bf16, **kw)
+    generate_prompts(tmp_path / "a", max_shards=2, engine=_FakeEngine(), **kw)
+    assert len(list((tmp_path / "a").glob("prompts-*.jsonl"))) == 2
 
 
 def test_plans_written_before_styles_count_as_the_list_style(tmp_path):
