@@ -25,6 +25,7 @@ Where a run starts (``trainer._start_sources``):
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -80,6 +81,52 @@ def save_state(state: dict, ckpt_dir: Path) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, dst)
     return dst
+
+
+PENDING_FILE = f".{STATE_FILE}.pending"
+JOINT_COMMIT_FILE = "joint-commit.json"
+"""In the first student's checkpoint directory while a joint checkpoint is being renamed into
+place: the checkpoint directories whose pending states belong to it."""
+
+
+def save_states_together(states: list[tuple[dict, Path]], commit_dir: Path) -> None:
+    """Write the checkpoints of jointly trained students as one (``states``: (state, checkpoint
+    directory) each). Every state goes to its pending file first; then a commit record (atomic) in
+    ``commit_dir`` names them; then each is renamed into place and the record removed. A crash
+    before the record leaves every old checkpoint as it was (:func:`finish_joint_commit` drops the
+    pending files); after it, :func:`finish_joint_commit` completes the renames. So a restart never
+    finds students at different steps."""
+    if len(states) == 1:
+        save_state(*states[0])
+        return
+    for state, ckpt_dir in states:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        with open(ckpt_dir / PENDING_FILE, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    commit_dir.mkdir(parents=True, exist_ok=True)
+    record, tmp = commit_dir / JOINT_COMMIT_FILE, commit_dir / f".{JOINT_COMMIT_FILE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump([str(d) for _, d in states], f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, record)
+    finish_joint_commit(commit_dir, [d for _, d in states])
+
+
+def finish_joint_commit(commit_dir: Path, ckpt_dirs: list[Path]) -> None:
+    """Complete a joint checkpoint a crash interrupted during its renames (its commit record is
+    there), or drop the pending states of one interrupted before its record was written."""
+    record = commit_dir / JOINT_COMMIT_FILE
+    if record.is_file():
+        for d in json.loads(record.read_text()):
+            pending = Path(d) / PENDING_FILE
+            if pending.is_file():
+                os.replace(pending, Path(d) / STATE_FILE)
+        record.unlink()
+    for d in ckpt_dirs:
+        (d / PENDING_FILE).unlink(missing_ok=True)
 
 
 def load_state(path: Path) -> dict:

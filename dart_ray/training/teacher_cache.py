@@ -148,7 +148,7 @@ class TeacherCache:
     def _keep(self, k, entry: Entry) -> bool:
         size = sum(x.numel() * x.element_size() for x in entry if x is not None)
         if self.bytes + size > self.max_bytes:
-            if not self._full:
+            if not self._full and self.max_bytes > 0:       # 0: the cache is off, not full
                 self._full = True
                 log.warning("teacher cache full at %.2f GiB (%d sequences): later epochs will "
                             "mostly recompute; raise --teacher-cache-gb to hold the training split",

@@ -58,7 +58,6 @@ from dart_ray.training.checkpoint import (
     data_fingerprint,
     plan_for,
     save_dir_atomic,
-    save_state,
 )
 from dart_ray.training.metrics import MetricsLog, evaluate_domains, plot_metrics
 from dart_ray.training.objectives import (
@@ -209,6 +208,21 @@ class TrainConfig:
             raise ValueError(f"prompt_weight must be in [0, 1], got {self.prompt_weight}")
         if self.seqs_per_step < 1 or self.max_len < 8:
             raise ValueError("seqs_per_step >= 1 and max_len >= 8 required")
+        for name in ("eval_every", "ckpt_every", "eval_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not self.lr >= 0:              # 0: steps that leave the weights as they are
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if not self.epochs > 0:
+            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 (or None: the epochs decide), got "
+                             f"{self.max_steps}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"time_budget_s must be > 0 (or None: no budget), got "
+                             f"{self.time_budget_s}")
         if self.mlp_width is not None and self.init_from_target:
             raise ValueError("init_from_target copies a target layer, MLP width included; "
                              "mlp_width applies to a resumed drafter (grown) or a random one")
@@ -382,14 +396,23 @@ class _Student:
                            **ev}
                           for dom, ev in evals.items()))
 
-    def save_checkpoint(self, data_pos: int) -> None:
-        """Everything a continued run needs to equal the uninterrupted one (atomic write)."""
-        save_state({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                    "step": self.step, "plan": self.plan.to_dict(), "data_pos": data_pos,
-                    "data_key": self.key["data_key"], "run_key": self.key,
-                    "config": _comparable_config(self.model.cfg), "history": self.history,
-                    "wall_s": self.wall_s, "resumed": self.resumed, "rng": torch.get_rng_state(),
-                    "dtype": self.dtype.to_dict()}, self.ckpt)
+    def checkpoint_state(self, data_pos: int) -> dict:
+        """Everything a continued run needs to equal the uninterrupted one."""
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                "step": self.step, "plan": self.plan.to_dict(), "data_pos": data_pos,
+                "data_key": self.key["data_key"], "run_key": self.key,
+                "config": _comparable_config(self.model.cfg), "history": self.history,
+                "wall_s": self.wall_s, "resumed": self.resumed, "rng": torch.get_rng_state(),
+                "dtype": self.dtype.to_dict()}
+
+
+def _save_checkpoints(students: list[_Student], data_pos: int) -> None:
+    """Every student's checkpoint, written as one (atomic across students: see
+    :func:`~dart_ray.training.checkpoint.save_states_together`)."""
+    from dart_ray.training.checkpoint import save_states_together
+
+    save_states_together([(st.checkpoint_state(data_pos), st.ckpt) for st in students],
+                         students[0].ckpt)
 
 
 def _comparable_config(model_cfg) -> dict:
@@ -491,8 +514,15 @@ def _with_model(src: Source, model: dict[str, torch.Tensor], **config) -> Source
 
 def _start_sources(cfg: TrainConfig, dirs: dict[str, Path]) -> dict[str, Source]:
     """Where each student starts: its own checkpoint (restart), ``cfg.resume``, or new."""
-    from dart_ray.training.checkpoint import STATE_FILE, find_resume, load_state
+    from dart_ray.training.checkpoint import (
+        STATE_FILE,
+        find_resume,
+        finish_joint_commit,
+        load_state,
+    )
 
+    # a joint checkpoint a crash interrupted: completed, or its pending states dropped
+    finish_joint_commit(dirs[cfg.arch] / "checkpoint", [d / "checkpoint" for d in dirs.values()])
     out = {}
     for arch, d in dirs.items():
         own = d / "checkpoint" / STATE_FILE
@@ -593,8 +623,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
                              f"{dirs[arch]} --lr-schedule continue|fresh")
     if len({s.step for s in sources.values()}) > 1:
         raise RuntimeError("joint students resumed at different steps "
-                           f"{[s.step for s in sources.values()]}; delete the lagging checkpoint "
-                           "or train them separately")
+                           f"{[s.step for s in sources.values()]} (checkpoints written before "
+                           "joint checkpoints were committed together); continue one of them "
+                           "into a new --out with --resume, or train them separately")
     # draft vocabulary: a started drafter keeps its own (unless --revocab re-chooses it); a new one
     # takes the most frequent tokens of the data's answers
     t2d = d2t = None
@@ -634,6 +665,16 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     # data position: batches of the seeded stream already consumed (kept when the data is the same)
     st0 = src0.state or {}
     data_pos = int(st0.get("data_pos", 0)) if st0.get("data_key") == data_key else 0
+    if src0.kind == "checkpoint" and cfg.lr_schedule == "continue":
+        old_key = st0.get("run_key") or {}
+        batching = {k: (old_key[k], getattr(cfg, k)) for k in ("seqs_per_step", "max_len", "seed")
+                    if k in old_key and old_key[k] != getattr(cfg, k)}
+        if batching:
+            raise ValueError(
+                f"--lr-schedule continue carries on {src0.path}'s plan, optimizer and place in "
+                f"its data, but {batching} (checkpoint's, now) batch the data otherwise: its "
+                "place would be lost and the first batches seen again mid-plan. Use the "
+                "checkpoint's values, or --lr-schedule fresh")
     if src0.kind == "checkpoint" and st0.get("data_key") != data_key:
         print(f"{src0.path} was trained on other data: this run reads its data from the start")
     if "rng" in st0 and src0.kind == "restart":
@@ -704,8 +745,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
                         for dom, e in ev.items()))
             if step % cfg.ckpt_every == 0 or step >= end or out_of_time or stop.requested:
                 teacher.save()
-                for st in students:
-                    st.save_checkpoint(data_pos)
+                _save_checkpoints(students, data_pos)
             if out_of_time or stop.requested:
                 stop_reason = "time budget" if out_of_time else "signal"
                 print(f"\nstopped at step {step} of {end} ({stop_reason}); checkpoint saved: rerun "
@@ -723,8 +763,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
                    if not st.history["eval"] or st.history["eval"][-1][0] != step]
     if unevaluated:
         _evaluate(unevaluated, target, cache, val, t2d, dtype.dtype, held_out)
-        for st in unevaluated:
-            st.save_checkpoint(data_pos)
+        _save_checkpoints(students, data_pos)
     for st in students:
         final_ev = st.history["eval"][-1][1]
         summary = {"arch": st.cfg.arch, "steps": step, "plan_end": end, "stopped": stop_reason,

@@ -332,6 +332,50 @@ def test_joint_training_shares_batches_and_resumes(tmp_path, tiny_dirs):
     assert summary["config"]["depth"] == 2
 
 
+@pytest.mark.parametrize("crash", ["before the record", "during the renames"])
+def test_joint_checkpoints_are_committed_together(tmp_path, monkeypatch, crash):
+    """Jointly trained students' checkpoints are one commit: a crash while writing them leaves
+    every student at the old step (pending states dropped on restart) or, once the commit record
+    is written, every student at the new one (renames completed on restart) -- never students at
+    different steps, which no restart could continue."""
+    from dart_ray.training import checkpoint as ck
+
+    dirs = [tmp_path / a / "checkpoint" for a in ("dart", "medusa", "eagle")]
+    ck.save_states_together([({"step": 1}, d) for d in dirs], dirs[0])
+    assert [ck.load_state(d / ck.STATE_FILE)["step"] for d in dirs] == [1, 1, 1]
+
+    class Killed(BaseException):
+        pass
+
+    def die(*args, **kwargs):
+        raise Killed
+
+    if crash == "before the record":
+        monkeypatch.setattr(ck.json, "dump", die)
+    else:                                  # the first rename happened, then the process died
+        real = ck.os.replace
+        renames = []
+
+        def replace_once(src, dst):
+            if str(src).endswith(ck.PENDING_FILE):
+                if renames:
+                    raise Killed
+                renames.append(src)
+            return real(src, dst)
+
+        monkeypatch.setattr(ck.os, "replace", replace_once)
+    with pytest.raises(Killed):
+        ck.save_states_together([({"step": 2}, d) for d in dirs], dirs[0])
+    monkeypatch.undo()
+    steps = [ck.load_state(d / ck.STATE_FILE)["step"] for d in dirs]
+    assert len(set(steps)) == (1 if crash == "before the record" else 2)    # as the crash left it
+    ck.finish_joint_commit(dirs[0], dirs)                                  # what a restart does
+    want = 1 if crash == "before the record" else 2
+    assert [ck.load_state(d / ck.STATE_FILE)["step"] for d in dirs] == [want] * 3
+    assert not any((d / ck.PENDING_FILE).exists() for d in dirs)
+    assert not (dirs[0] / ck.JOINT_COMMIT_FILE).exists()
+
+
 def test_ship_baseline_writes_card_and_checks_size(tmp_path, tiny):
     from dart_ray.drafters.medusa_model import MedusaConfig, MedusaModel
     from dart_ray.training.ship import ship
@@ -636,6 +680,13 @@ def test_time_budget_stop_and_continue_equal_uninterrupted(tmp_path, tiny_dirs, 
                                  (tmp_path / run / "metrics.jsonl").read_text().splitlines())
             if r["kind"] == "train"] for run in ("a", "b", "c")]
     assert lrs[0] == lrs[1] == lrs[2] and len(lrs[0]) == 4
+    if dtype == "fp32":
+        # continuing the plan with the data batched otherwise would lose its place in the data
+        for change in ({"seqs_per_step": 3}, {"max_len": 32}, {"seed": 9}):
+            with pytest.raises(ValueError, match="batch the data otherwise"):
+                train(_base_cfg(tiny_mixed_data, tiny_dirs, out=str(tmp_path / "d"),
+                                resume=str(tmp_path / "b_at_1"), lr_schedule="continue",
+                                **change), progress=False)
 
 
 def test_a_stop_exports_the_drafter_before_the_final_evaluation(tmp_path, tiny_dirs,
@@ -1340,3 +1391,18 @@ def test_a_cards_measured_section_is_the_bench_table(tmp_path):
     lines = measured_section(p)
     assert lines[0] == "## Measured: `x-bs1.json` (3 prompts, bs 1, fp32, 16 new tokens)"
     assert lines[2] == format_table(rep)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("ckpt_every", 0), ("eval_every", 0), ("eval_seqs", 0), ("warmup_steps", -1), ("lr", -1e-3),
+    ("epochs", -1.0), ("max_steps", 0), ("time_budget_s", 0.0),
+    ("time_budget_s", -5.0)])
+def test_train_config_refuses_numbers_that_would_crash_or_be_ignored(field, value):
+    """Each of these crashed mid-run (a zero divisor after the first step), ran a different plan
+    (a budget of 0 read as none, max_steps 0 as no cap) or failed in torch: refused up front."""
+    from dart_ray.training.trainer import TrainConfig
+
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(data="d", out="o", **{field: value})
+    TrainConfig(data="d", out="o", ckpt_every=1, eval_every=1, warmup_steps=0, max_steps=1,
+                time_budget_s=0.5, lr=0.0)
