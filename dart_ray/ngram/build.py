@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -198,8 +198,10 @@ def build_ngram(
     progress: bool = True,
     batch_size: int = 256,
     meta: dict[str, Any] | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> NGramModel:
-    """Tokenise the corpus at ``paths`` with ``tokenizer`` and count its n-grams.
+    """Tokenise the corpus at ``paths`` with ``tokenizer`` and count its n-grams (of the texts
+    ``keep`` accepts, when given).
 
     ``tokenizer(texts, add_special_tokens=False)["input_ids"]`` is called on batches of
     ``batch_size`` texts; each text is one sequence (n-grams never span two texts). ``meta`` is
@@ -210,6 +212,8 @@ def build_ngram(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     vocab_size = _tokenizer_vocab_size(tokenizer)
     texts = iter_texts(paths, text_column=text_column)
+    if keep is not None:
+        texts = filter(keep, texts)
 
     bar = None
     if progress:
@@ -288,6 +292,10 @@ def build_ngram_cli(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--batch-size", type=int, default=256, help="texts per tokenizer call")
     ap.add_argument("--no-progress", action="store_true", help="disable progress bars")
+    ap.add_argument("--keep-eval-prompts", action="store_true",
+                    help="keep texts holding an evaluation prompt the project ships (HumanEval, "
+                         "the chat sets; dropped by default: a model built on them inflates every "
+                         "benchmark on them)")
     args = ap.parse_args(argv)
 
     from dart_ray.models import load_tokenizer
@@ -295,21 +303,39 @@ def build_ngram_cli(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.model)
     meta: dict[str, Any] = {"target": args.model, "inputs": [str(p) for p in args.inputs]}
-    model = build_ngram(
-        args.inputs,
-        tokenizer,
-        order=args.order,
-        min_count=args.min_count,
-        text_column=args.text_column,
-        progress=not args.no_progress,
-        batch_size=args.batch_size,
-        meta=meta,
-    )
+    dropped = [0]
+    if not args.keep_eval_prompts:
+        from dart_ray.training.neardup import EvalFilter
+
+        evals = EvalFilter()
+
+        def keep(text: str) -> bool:
+            if text in evals:
+                dropped[0] += 1
+                return False
+            return True
+    try:
+        model = build_ngram(
+            args.inputs,
+            tokenizer,
+            order=args.order,
+            min_count=args.min_count,
+            text_column=args.text_column,
+            progress=not args.no_progress,
+            batch_size=args.batch_size,
+            meta=meta,
+            keep=None if args.keep_eval_prompts else keep,
+        )
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"dart-ray build-ngram: error: {e}", file=sys.stderr)
+        return 2
+    model.meta["evaluation_texts_dropped"] = None if args.keep_eval_prompts else dropped[0]
     out = model.save(args.out)
     dt = time.perf_counter() - t0
     print(f"n-gram model written to {out}")
     print(f"  tokenizer : {model.meta.get('tokenizer')}")
-    print(f"  texts     : {model.meta.get('num_texts')}")
+    print(f"  texts     : {model.meta.get('num_texts')}"
+          + (f" ({dropped[0]} holding an evaluation prompt dropped)" if dropped[0] else ""))
     print(f"  tokens    : {model.num_tokens_trained}")
     for n, e in enumerate(model.num_entries, start=1):
         print(f"  order {n}   : {e} entries")

@@ -2,7 +2,9 @@
 
 Vocabulary:
 
-* **normalised text**: lower-cased, punctuation dropped, whitespace collapsed;
+* **normalised text**: compatibility forms unified (NFKC: full-width letters, ligatures), case
+  folded, accents dropped, punctuation dropped, whitespace collapsed; words are runs of letters
+  and digits of any script;
 * **shingles**: the set of word n-grams (default n = 2; a text of fewer than n words is one
   shingle) of the normalised text;
 * **Jaccard** |A n B| / |A u B| and **containment** |A n B| / |A| of two shingle sets.
@@ -25,20 +27,24 @@ from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-_WORD = re.compile(r"[a-z0-9]+")
+_WORD = re.compile(r"[^\W_]+")
 _PRIME = (1 << 31) - 1
 DEFAULT_THRESHOLD = 0.7
 SHINGLE_WORDS = 2
 
 
 def normalise(text: str) -> str:
-    """Lower case, punctuation dropped, single spaces."""
-    return " ".join(_WORD.findall(text.lower()))
+    """Compatibility forms unified, case folded, accents and punctuation dropped, single spaces
+    (so a full-width, accented or re-cased copy of an evaluation prompt is that prompt)."""
+    text = unicodedata.normalize("NFKD", unicodedata.normalize("NFKC", text).casefold())
+    text = "".join(c for c in text if not unicodedata.combining(c))
+    return " ".join(_WORD.findall(text))
 
 
 def shingles(text: str, n: int = SHINGLE_WORDS) -> frozenset[str]:

@@ -501,3 +501,34 @@ def test_build_ngram_cli(tmp_path, monkeypatch, capsys):
     assert m.meta["target"] == "some/model"
     printed = capsys.readouterr().out
     assert "tokens" in printed and "MB" in printed
+
+
+def test_build_ngram_cli_leaves_out_evaluation_prompts_and_reports_bad_input(tmp_path,
+                                                                            monkeypatch, capsys):
+    """A corpus text holding an evaluation prompt the project ships is dropped (counted in the
+    model's meta) unless --keep-eval-prompts; a corpus without the text column is an error, exit
+    2, not a traceback."""
+    import sys
+    import types
+
+    from dart_ray.bench.prompts import CHAT_SET, load_prompts
+
+    chat = load_prompts(CHAT_SET)[:2]
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for text in ["x y z x y", *chat, "x y w"]:
+            f.write(json.dumps({"text": text}) + "\n")
+    fake_models = types.ModuleType("dart_ray.models")
+    fake_models.load_tokenizer = lambda model: FakeTokenizer()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "dart_ray.models", fake_models)
+    rc = build_ngram_cli([str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "a"), "--order", "2",
+                          "--no-progress"])
+    m = NGramModel.load(tmp_path / "a")
+    assert rc == 0 and m.meta["num_texts"] == 2 and m.meta["evaluation_texts_dropped"] == 2
+    assert "2 holding an evaluation prompt dropped" in capsys.readouterr().out
+    rc = build_ngram_cli([str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "b"), "--order", "2",
+                          "--no-progress", "--keep-eval-prompts"])
+    assert rc == 0 and NGramModel.load(tmp_path / "b").meta["num_texts"] == 4
+    rc = build_ngram_cli([str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "c"),
+                          "--text-column", "prompt", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "text column 'prompt' missing" in err and "Traceback" not in err

@@ -14,6 +14,7 @@ from dart_ray.training.neardup import (
     NearDupIndex,
     evaluation_prompts,
     jaccard,
+    normalise,
     shingles,
 )
 from dart_ray.training.selfinstruct import (
@@ -39,6 +40,9 @@ def test_shingles_and_near_duplicate_index():
     # every pair kept in a larger set is below the threshold (LSH finds the near-duplicates)
     texts = [f"Write a short poem about the {w} and the {v} at night."
              for w in ("sea", "moon", "city", "rain") for v in ("wind", "stars", "trains")]
+    # words of any script: two different Chinese requests are not one empty text
+    assert normalise("写一首关于大海的诗。") != normalise("解释一下递归是什么。")
+    assert normalise("Ｃａｆé  NAÏVE") == "cafe naive"
     idx2 = NearDupIndex(0.7)
     kept = [t for t in texts if idx2.add(t)]
     sets = [shingles(t) for t in kept]
@@ -61,8 +65,12 @@ def test_eval_filter_drops_evaluation_prompts_and_near_duplicates():
 
     f = EvalFilter()
     chat = load_prompts(CHAT_SET)
+    def full_width(text: str) -> str:
+        return "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in text)
+
     for p in chat:
         assert p in f and p.upper() in f                              # exact (normalised)
+        assert full_width(p) in f and p.replace("e", "\u00e9").replace("o", "o\u0308") in f
     email = "Write a friendly email to a colleague asking to reschedule our Friday meeting, please."
     assert email in f
     # contains it
