@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-seqs", type=int, default=128, help="held-out sequences per domain")
     p.add_argument("--max-len", type=int, default=320)
     p.add_argument("--seqs-per-step", type=int, default=8)
+    p.add_argument("--model", default=None,
+                   help="the target the drafters were trained for (default: the embedded one)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--split", choices=("val", "train"), default="val",
@@ -54,22 +56,26 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = resolve_dtype(a.dtype, "cpu")
-    tgt = load_target(None, dtype.dtype, "cpu", max_seq_len=a.max_len + 8)
+    tgt = load_target(a.model, dtype.dtype, "cpu", max_seq_len=a.max_len + 8)
+    students, names = [], []
+    for spec in a.drafters:
+        name, _, path = spec.partition("=")
+        model = DartModel.load(path).float().eval()
+        try:
+            model.cfg.check_target(tgt.args, tgt.model_id)
+        except ValueError as e:
+            raise SystemExit(f"{name}={path}: {e} (pass its target with --model)") from None
+        cfg = TrainConfig(data=a.data, out="-", arch=model.cfg.arch, depth=model.cfg.depth,
+                          seqs_per_step=a.seqs_per_step, max_len=a.max_len,
+                          draft_vocab=model.cfg.draft_vocab or 0)
+        students.append((model, cfg))
+        names.append(name)
     if a.split == "train":
         val, _ = _val_by_domain(load_rows(a.data, "train"), [], a.eval_seqs)
     else:
         val, held_out = _val_by_domain([], load_rows(a.data, "val"), a.eval_seqs)
         if not held_out:
             raise SystemExit(f"{a.data} has no held-out rows")
-    students, names = [], []
-    for spec in a.drafters:
-        name, _, path = spec.partition("=")
-        model = DartModel.load(path).float().eval()
-        cfg = TrainConfig(data=a.data, out="-", arch=model.cfg.arch, depth=model.cfg.depth,
-                          seqs_per_step=a.seqs_per_step, max_len=a.max_len,
-                          draft_vocab=model.cfg.draft_vocab or 0)
-        students.append((model, cfg))
-        names.append(name)
     cache = tgt.model.new_cache(a.seqs_per_step, a.max_len + 8)
     t2d = torch.zeros(1)  # non-None: each drafter maps its predictions through its own d2t
     evs = evaluate_domains(students, tgt.model, cache, val, t2d, dtype.dtype)

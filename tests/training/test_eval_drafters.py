@@ -42,3 +42,12 @@ def test_eval_drafters_scores_evaluation_answers_as_their_own_domain(tmp_path):
     assert ev["answer"]["n_prefixes"] >= 20 and 0.2 < ev["answer"]["top1"][0] <= 1.0
     with pytest.raises(ValueError, match="evaluation answers"):
         _script().main(["--data", str(data), "--split", "train", f"v={shipped}"])
+
+
+def test_eval_drafters_refuses_a_drafter_of_another_target(tmp_path, tiny_dirs):
+    """--model names the drafters' target; a drafter trained for another one is refused by name
+    before any data is read (it crashed inside a forward with a shape error)."""
+    shipped = ROOT / "dart_ray/artifacts/SmolLM2-135M-Instruct/drafter"
+    with pytest.raises(SystemExit, match="v=.*does not match the target.*pass its target"):
+        _script().main(["--data", str(tmp_path / "none"), "--dtype", "fp32", "--model",
+                        str(tiny_dirs["llama"]), f"v={shipped}"])
