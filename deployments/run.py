@@ -101,6 +101,13 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None,
                        f", and anyone who reaches {got}")
 
 
+SERVE_KEYS = frozenset({"applications", "http_options", "proxy_location"})
+"""Top-level keys of a Serve config that ``dart-ray serve`` applies."""
+APPLICATION_KEYS = frozenset({"name", "route_prefix", "import_path", "args"})
+"""Keys of an application entry that ``dart-ray serve`` applies (``serve deploy`` applies the
+rest of the Serve schema)."""
+
+
 def load_serve_config(path: str | os.PathLike | None = None) -> dict:
     """Read a Serve config file (YAML); None = ``deployments/serve_default.yaml``."""
     import yaml
@@ -115,11 +122,25 @@ def load_serve_config(path: str | os.PathLike | None = None) -> dict:
     if not isinstance(cfg, dict) or not isinstance(cfg.get("applications"), list) \
             or not cfg["applications"]:
         raise ValueError(f"{p}: expected a Serve config with a non-empty 'applications' list")
+    other = sorted(set(cfg) - SERVE_KEYS)
+    if other:
+        raise ValueError(f"{p}: `dart-ray serve` applies {sorted(SERVE_KEYS)}, not {other}: "
+                         f"deploy this file with Ray's `serve deploy {p}` to apply every Serve "
+                         "option")
     for i, a in enumerate(cfg["applications"]):
         if not isinstance(a, dict) or not isinstance(a.get("import_path"), str):
             raise ValueError(f"{p}: applications[{i}] needs an import_path")  # noqa: TRY004
         if a.get("args") is not None and not isinstance(a["args"], dict):
             raise ValueError(f"{p}: applications[{i}].args must be a mapping")
+        other = sorted(set(a) - APPLICATION_KEYS)
+        if other:
+            raise ValueError(
+                f"{p}: applications[{i}]: `dart-ray serve` applies {sorted(APPLICATION_KEYS)}, "
+                f"not {other} (Serve options of single deployments, such as user_config or "
+                f"graceful_shutdown_timeout_s): deploy this file with Ray's `serve deploy {p}`, "
+                "or use the args keys (num_replicas, num_cpus, profile, ...)")
+    if not isinstance(cfg.get("http_options") or {}, dict):
+        raise ValueError(f"{p}: http_options must be a mapping")
     return cfg
 
 
@@ -229,7 +250,8 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
                         ray_auth=ray_auth)
         started_ray = True
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(proxy_location=cfg.get("proxy_location"),
+                    http_options={**http, "host": host, "port": port})
         # replicas start in parallel
         serve.run_many([serve.RunTarget(build_application(import_path, args), name=name,
                                         route_prefix=prefix)

@@ -312,6 +312,17 @@ def test_load_serve_config_errors(tmp_path):
         load_serve_config(p)
     with pytest.raises(FileNotFoundError):
         load_serve_config(tmp_path / "missing.yaml")
+    # Serve options `dart-ray serve` would not apply are an error naming `serve deploy`, never
+    # silently dropped
+    app = "applications:\n- {import_path: deployments.openai_app:build_app, args: {}%s}\n"
+    p.write_text(app % ", deployments: [{name: DartRayServer, num_replicas: 2}]")
+    with pytest.raises(ValueError, match=r"not \['deployments'\].*serve deploy"):
+        load_serve_config(p)
+    p.write_text("runtime_env: {pip: [x]}\n" + app % "")
+    with pytest.raises(ValueError, match=r"not \['runtime_env'\].*serve deploy"):
+        load_serve_config(p)
+    p.write_text("proxy_location: EveryNode\nhttp_options: {request_timeout_s: 30}\n" + app % "")
+    assert load_serve_config(p)["proxy_location"] == "EveryNode"
 
 
 def test_engine_errors_map_to_http_statuses():
