@@ -145,6 +145,9 @@ class ServeArgs:
         for name in ("allow_speculative_override", "ingress_on_head"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name} must be a boolean")
+        if self.allow_speculative_override and self.tensor_parallel_size > 1:
+            _fail("allow_speculative_override needs tensor_parallel_size 1: a tensor-parallel "
+                  "replica runs its one method (per-request lanes are not built over a TP group)")
         if self.retry_after_s < 0:
             _fail(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.max_lanes < 1:

@@ -10,21 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from dart_ray import Engine
+from dart_ray import Engine, ModelLoadError
 from deployments.config import ServeArgs
 
 
 def check_tensor_parallel(args: ServeArgs) -> None:
-    """Fail at build time for a model the TP transform cannot split (local HF directories only;
-    other model references are checked when the replica loads them)."""
-    model = args.engine.model
-    if args.tensor_parallel_size > 1 and model and (Path(model) / "config.json").is_file():
-        from dart_ray.models.loading import read_model_args
-        from dart_ray.parallel import shard_plan
+    """Fail at build time for a model the TP transform cannot split: an HF directory here, or a
+    GGUF (the embedded default included) already converted here; other references are checked
+    when the replica loads them (nothing is converted at build time)."""
+    if args.tensor_parallel_size <= 1:
+        return
+    from dart_ray.models.loading import converted_dir, read_model_args
+    from dart_ray.parallel import shard_plan
 
-        shard_plan(read_model_args(Path(model)), 0, args.tensor_parallel_size)
+    try:
+        model_dir = converted_dir(args.engine.model)
+    except ModelLoadError:
+        return                      # not readable here: the replica's load reports it
+    if model_dir is not None:
+        shard_plan(read_model_args(model_dir), 0, args.tensor_parallel_size)
 
 
 @dataclass

@@ -204,6 +204,61 @@ def check_model(args: dict[str, Any], local: bool) -> None:
                        "nodes", model, e)
 
 
+OUR_APP = "deployments.openai_app:build_app"
+
+
+def check_app_args(import_path: str, args: dict[str, Any]) -> None:
+    """Validate the args of a dart-ray application here, before Ray starts (an unknown key, a bad
+    TP size or placement is an error at the command, not a replica that never starts)."""
+    if import_path != OUR_APP:
+        return
+    from deployments.config import ServeArgs
+    from deployments.engine_factory import check_tensor_parallel
+    from deployments.placement import deployment_placement
+
+    a = ServeArgs.from_dict(args)
+    deployment_placement(a)
+    check_tensor_parallel(a)
+
+
+def app_resources(import_path: str, args: dict[str, Any]) -> dict[str, float]:
+    """CPUs (and GPUs) every replica of a dart-ray application reserves together: the engine
+    replicas (each with its TP bundles) and the ingress replicas."""
+    if import_path != OUR_APP:
+        return {}
+    from deployments.config import ServeArgs
+    from deployments.openai_app import deployment_options, ingress_options
+
+    a = ServeArgs.from_dict(args)
+    need: dict[str, float] = {}
+
+    def add(res: dict, times: int) -> None:
+        for k, key in (("num_cpus", "CPU"), ("num_gpus", "GPU"), ("CPU", "CPU"), ("GPU", "GPU")):
+            if res.get(k):
+                need[key] = need.get(key, 0.0) + float(res[k]) * times
+
+    engine, ingress = deployment_options(a), ingress_options(a)
+    for bundle in engine.get("placement_group_bundles") or [engine["ray_actor_options"]]:
+        add(bundle, a.num_replicas)
+    add(ingress["ray_actor_options"], a.ingress_num_replicas)
+    return need
+
+
+def check_local_resources(apps: list, available: dict[str, float]) -> None:
+    """Refuse applications a Ray started here cannot place (Serve would wait for the resources
+    forever): their replicas' CPUs/GPUs against the local Ray's."""
+    need: dict[str, float] = {}
+    for _, _, import_path, args in apps:
+        for k, v in app_resources(import_path, args).items():
+            need[k] = need.get(k, 0.0) + v
+    short = {k: (v, available.get(k, 0.0)) for k, v in need.items()
+             if v > available.get(k, 0.0) + 1e-9}
+    if short:
+        what = ", ".join(f"{v:g} {k} (it has {have:g})" for k, (v, have) in short.items())
+        raise ValueError(f"the replicas need {what} of the local Ray: lower num_cpus, "
+                         "tensor_parallel_size or num_replicas, or give Ray more (--num-cpus)")
+
+
 def run_local(config_path: str | os.PathLike | None = None, host: str | None = "127.0.0.1",
               port: int | None = 8000, temp_dir: str | None = None, blocking: bool = True,
               overrides: dict[str, Any] | None = None,
@@ -230,7 +285,8 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
         apps.append((a.get("name") or "default", a.get("route_prefix", "/"), a["import_path"],
                      args))
 
-    for _, _, _, args in apps:
+    for _, _, import_path, args in apps:
+        check_app_args(import_path, args)
         check_profile(args.get("profile"), local=address is None)
         check_model(args, local=address is None)
 
@@ -250,6 +306,8 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
                         ray_auth=ray_auth)
         started_ray = True
     try:
+        if started_ray:
+            check_local_resources(apps, ray.cluster_resources())
         serve.start(proxy_location=cfg.get("proxy_location"),
                     http_options={**http, "host": host, "port": port})
         # replicas start in parallel

@@ -72,6 +72,16 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     return convert_gguf(path) if path.is_file() else path
 
 
+def converted_dir(model: str | os.PathLike | None) -> Path | None:
+    """The HF directory ``model`` names, or its GGUF's conversion if the cache holds it already;
+    None if reading it would need a conversion (nothing is converted here)."""
+    path = locate_model(model)
+    if path.is_dir():
+        return path
+    out = _gguf_cache_dir(path)
+    return out if (out / ".complete").is_file() and (out / "config.json").is_file() else None
+
+
 def _gguf_cache_dir(gguf: Path) -> Path:
     st = gguf.stat()
     ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"

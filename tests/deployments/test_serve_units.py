@@ -43,6 +43,8 @@ def test_serve_args_defaults_and_validation():
         ServeArgs.from_dict({"num_cpus": -1})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ServeArgs.from_dict({"tensor_parallel_size": 0})
+    with pytest.raises(ValueError, match="allow_speculative_override needs tensor_parallel_size 1"):
+        ServeArgs.from_dict({"tensor_parallel_size": 2, "allow_speculative_override": True})
     assert ServeArgs(api_key="k").redacted()["api_key"] == "***"
 
 
@@ -385,6 +387,30 @@ def test_tp_args_checked_at_build_time(tiny_dirs):
     build_app({"model": model, "method": "ngram", "tensor_parallel_size": 2, "num_cpus": 0.1})
     with pytest.raises(ValueError):
         build_app({"model": model, "method": "ngram", "tensor_parallel_size": 3, "num_cpus": 0.1})
+
+
+def test_serve_refuses_what_cannot_start_before_serve_waits_for_it(smollm_dir):
+    """Caught at the command (before Ray, or before Serve deploys on the Ray it started), not as
+    replicas that never start: args errors, a model the TP transform cannot split (the embedded
+    default too, whose conversion is cached: 3 KV heads over 4 ranks), and replicas needing more
+    CPUs than the local Ray has (Serve would wait forever)."""
+    from deployments.run import OUR_APP, app_resources, check_app_args, check_local_resources
+
+    with pytest.raises(ValueError, match="unknown keys"):
+        check_app_args(OUR_APP, {"tensor_paralel_size": 2})
+    with pytest.raises(ValueError, match="KV heads"):
+        check_app_args(OUR_APP, {"method": "ngram", "tensor_parallel_size": 4})
+    check_app_args("other.module:app", {"anything": 1})                 # not ours: not checked
+    tp2 = {"method": "ngram", "tensor_parallel_size": 2, "num_cpus": 2}
+    assert app_resources(OUR_APP, tp2) == {"CPU": 4.0}                 # 2 ranks x 2 CPUs
+    assert app_resources(OUR_APP, {"num_replicas": 3, "num_cpus": 0.5,
+                                   "ingress_num_cpus": 0.25}) == {"CPU": 1.75}
+    apps = [("a", "/", OUR_APP, tp2)]
+    with pytest.raises(ValueError, match=r"need 4 CPU \(it has 2\)"):
+        check_local_resources(apps, {"CPU": 2.0})
+    check_local_resources(apps, {"CPU": 4.0})
+    with pytest.raises(ValueError, match="GPU"):
+        check_local_resources([("a", "/", OUR_APP, {**tp2, "device": "cuda"})], {"CPU": 8.0})
 
 
 # ---- issue 16: hardening (pure parts) ------------------------------------------------------------
