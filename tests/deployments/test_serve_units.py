@@ -968,6 +968,7 @@ def test_a_consumer_that_stops_at_the_finished_output_is_finished_one_that_leave
 
     metrics = ServerMetrics("tiny")
     fake = types.SimpleNamespace(
+        _hooks=types.SimpleNamespace(check_health=None), _replica_failure=lambda e: e,
         _check_model=lambda m: None, _check_prompt_size=lambda r: None, _lane=lane,
         _prepare=prepare, _params=lambda req, n: SamplingParams(max_new_tokens=2),
         server_metrics=metrics, aengine=types.SimpleNamespace(stream=stream),
