@@ -19,6 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP port (default: the config's, else 8000)")
     p.add_argument("--temp-dir", default=None, help="Ray temp/session directory (default: Ray's)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance")
+    p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
+                   help="on Ctrl-C / SIGTERM, seconds the requests in flight may take to finish "
+                        "(new ones get 503) before Serve shuts down; 0: none (default 30; a "
+                        "second signal stops waiting)")
     r = p.add_argument_group("Ray (a local instance binds 127.0.0.1 and keeps token auth)")
     r.add_argument("--address", default=None,
                    help="join this running Ray cluster instead (its settings are left alone)")
@@ -63,7 +67,8 @@ def serve_cli(argv: list[str] | None = None) -> int:
         overrides = overrides_from(a)
         run_local(a.config, host=a.host, port=a.port, temp_dir=a.temp_dir, blocking=True,
                   overrides=overrides, num_cpus=a.num_cpus, address=a.address,
-                  ray_auth=False if a.insecure_no_ray_auth else None, node_ip_address=a.ray_node_ip)
+                  ray_auth=False if a.insecure_no_ray_auth else None, node_ip_address=a.ray_node_ip,
+                  drain_timeout_s=a.drain_timeout_s)
     except (FileNotFoundError, ValueError, TypeError, NotImplementedError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

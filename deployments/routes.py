@@ -41,6 +41,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import ServeArgs
+from deployments.drain import DrainGate, follow_control
 from deployments.errors import (
     REPLICA_LOST,
     ReplicaLostError,
@@ -144,6 +145,10 @@ class Ingress:
         self._identity: dict | None = None
         """Served model name and default method, from the first model card (the same on every
         engine replica: they share the args)."""
+        self.open_requests = 0
+        """HTTP requests this replica is answering (:class:`~deployments.drain.DrainGate`)."""
+        self.draining = False
+        """The server shuts down: new generation requests get 503 (:mod:`deployments.drain`)."""
 
     # ---- the API key: one dependency of every route but /health ----------------------------------
     def authorize(self, request: Request) -> None:
@@ -360,6 +365,7 @@ def build_api(ingress: Ingress) -> FastAPI:
         return await ingress.generate(request, parse_chat)
 
     app.include_router(api)
+    app.add_middleware(DrainGate, ingress=ingress)
     return app
 
 
@@ -383,6 +389,7 @@ class DartRayIngress:
         nice = prepare_replica_process(a.replica_niceness)
         replica, node = replica_labels()
         self.ingress = Ingress(a, EngineClient(engine), IngressMetrics(replica, node))
+        follow_control(self.ingress, f"{node}/{replica}")    # drains with `dart-ray serve`
         logger.info("dart-ray ingress ready: nice=%s max_replica_retries=%d api_key=%s", nice,
                     a.max_replica_retries, "set" if a.api_key else "none")
 

@@ -263,16 +263,18 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
               port: int | None = 8000, temp_dir: str | None = None, blocking: bool = True,
               overrides: dict[str, Any] | None = None,
               num_cpus: int | None = None, address: str | None = None, ray_auth: bool | None = None,
-              node_ip_address: str = LOOPBACK) -> dict:
+              node_ip_address: str = LOOPBACK, drain_timeout_s: float = 30.0) -> dict:
     """Start a local Ray (or join ``address``), Serve on ``host:port`` and the config's
     applications.
 
     ``overrides`` update every application's ``args``. A Ray started here binds ``node_ip_address``
     (loopback by default), keeps token auth unless ``ray_auth=False`` and runs workers at nice 0
     (:func:`start_local_ray`); ``address`` joins an existing cluster and leaves its settings alone.
-    With ``blocking=True`` this waits until Ctrl-C / SIGTERM, then shuts Serve and Ray down (Ray
-    only if it started it here). With ``blocking=False`` it returns ``{"url", "applications",
-    "started_ray"}``; call :func:`shutdown_local` when done.
+    With ``blocking=True`` this waits until Ctrl-C / SIGTERM, drains (the requests in flight
+    finish for up to ``drain_timeout_s``, new ones get 503: :mod:`deployments.drain`; a second
+    signal stops waiting), then shuts Serve and Ray down (Ray only if it started it here). With
+    ``blocking=False`` it returns ``{"url", "applications", "started_ray"}``; call
+    :func:`shutdown_local` when done.
     """
     cfg = load_serve_config(config_path)
     http = dict(cfg.get("http_options") or {})
@@ -308,6 +310,9 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
     try:
         if started_ray:
             check_local_resources(apps, ray.cluster_resources())
+        from deployments.drain import start_control
+
+        control = start_control()         # before the ingress replicas start: they look it up
         serve.start(proxy_location=cfg.get("proxy_location"),
                     http_options={**http, "host": host, "port": port})
         # replicas start in parallel
@@ -329,19 +334,46 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C and SIGTERM both stop cleanly (SIGINT explicitly: a shell may start us
         # with it ignored)
+        def on_signal(*_) -> None:
+            if stop.is_set():             # a second signal: stop draining
+                raise KeyboardInterrupt
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            prev[sig] = signal.signal(sig, lambda *_: stop.set())
+            prev[sig] = signal.signal(sig, on_signal)
     try:
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:
         pass
     finally:
-        for sig, handler in prev.items():
-            signal.signal(sig, handler)
-        print("shutting down Serve and Ray ...", flush=True)
-        shutdown_local(started_ray)
+        try:
+            _drain(control, drain_timeout_s)
+        finally:
+            for sig, handler in prev.items():
+                signal.signal(sig, handler)
+            print("shutting down Serve and Ray ...", flush=True)
+            shutdown_local(started_ray)
     return info
+
+
+def _drain(control, timeout_s: float) -> None:
+    """Let the requests in flight finish (new ones get 503) for up to ``timeout_s``; a second
+    Ctrl-C / SIGTERM cuts it short."""
+    from deployments.drain import drain
+
+    if timeout_s <= 0:
+        return
+    try:
+        left = drain(control, timeout_s)
+    except KeyboardInterrupt:
+        print("second interrupt: not waiting for the open requests", flush=True)
+        return
+    except Exception as e:  # noqa: BLE001 - never block the shutdown on the drain
+        logger.warning("drain failed (%r); shutting down", e)
+        return
+    if left:
+        print(f"drain timeout ({timeout_s:g} s): {left} open request(s) are cut", flush=True)
 
 
 def shutdown_local(shutdown_ray: bool = True) -> None:

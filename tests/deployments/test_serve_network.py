@@ -1,5 +1,5 @@
 """`dart-ray serve` as a user starts it: Ray closed to the network, token auth on, replica
-not niced.
+not niced; SIGTERM drains it (the stream in flight finishes, new requests get 503).
 
 Runs the CLI in a subprocess with ``RAY_AUTH_MODE`` unset (Ray's default: token auth for a new
 local cluster; the token goes to ``$HOME/.ray/auth_token``, HOME is a temp dir here) and checks,
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -63,6 +64,43 @@ def tiny_model(tiny_dirs):
     return tiny_dirs["llama"]
 
 
+def _post(url: str, body: dict, timeout: float = 120):
+    req = urllib.request.Request(url, method="POST", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def _check_sigterm_drains(proc, url: str) -> None:
+    """SIGTERM while a stream runs: the stream ends as usual (its finish_reason, [DONE]), a
+    request sent during the drain gets 503 shutting_down, and the CLI then exits 0."""
+    import threading
+
+    lines: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with _post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 1500,
+                                             "ignore_eos": True, "stream": True}) as r:
+            for raw in r:
+                if raw.strip():
+                    lines.append(raw.decode().strip())
+                    first.set()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    assert first.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.5)                                   # the ingress learns of the drain
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 3}, timeout=30)
+    assert refused.value.code == 503 and refused.value.headers["Retry-After"]
+    assert json.loads(refused.value.read())["error"]["code"] == "shutting_down"
+    t.join(120)
+    assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2], lines[-3:]
+    assert sum(1 for ln in lines if "\"text\"" in ln) > 1000    # not cut at the signal
+    assert proc.wait(90) == 0
+
+
 def test_dart_ray_serve_binds_loopback_with_auth_and_unniced_replica(tiny_model):
     import psutil
 
@@ -73,7 +111,7 @@ def test_dart_ray_serve_binds_loopback_with_auth_and_unniced_replica(tiny_model)
     env.update(HOME=str(home), PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "dart_ray.cli", "serve", "--port", str(port), "--temp-dir", temp,
            "--num-cpus", "2", "--model", str(tiny_model), "--method", "none", "--dtype", "fp32",
-           "--max-seq-len", "128", "--max-batch-size", "1", "--num-threads", "1",
+           "--max-seq-len", "2048", "--max-batch-size", "1", "--num-threads", "1",
            "--replica-cpus", "0.5"]
     log = open(home / "serve.log", "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -110,6 +148,7 @@ def test_dart_ray_serve_binds_loopback_with_auth_and_unniced_replica(tiny_model)
                     if "ServeReplica" in " ".join(p.cmdline()) or "ServeReplica" in p.name()]
         assert replicas, [p.name() for p in procs]
         assert all(p.nice() == 0 for p in replicas), [(p.name(), p.nice()) for p in replicas]
+        _check_sigterm_drains(proc, url)
     finally:
         proc.send_signal(signal.SIGTERM)  # the CLI stops Serve and Ray
         try:

@@ -1119,3 +1119,58 @@ def test_serve_checks_the_model_before_starting_anything(tmp_path, caplog, capsy
     assert serve_cli(["--method", "dart", "--model", str(tmp_path / "nope")]) == 2
     assert "model path does not exist" in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+# ---- draining on shutdown ------------------------------------------------------------------------
+def test_drain_control_waits_for_every_replica_to_count_knowing_of_the_drain(monkeypatch):
+    """Drained only once every replica still reporting has reported twice since the drain began
+    (its second count admits no new request) with nothing open; a replica gone silent is not
+    waited for."""
+    import deployments.drain as dr
+
+    clock = [100.0]
+    monkeypatch.setattr(dr.time, "time", lambda: clock[0])
+    c = dr.ServeControl()
+    assert c.poll("a", 2) is False and c.poll("b", 0) is False
+    assert c.drained() == (False, 2)
+    c.start_drain()
+    assert c.poll("a", 0) is True and c.poll("b", 0) is True
+    assert c.drained() == (False, 0)              # counted before they knew: not yet
+    c.poll("a", 1)
+    c.poll("b", 0)
+    assert c.drained() == (False, 1)              # a request admitted just before: waited for
+    c.poll("a", 0)
+    assert c.drained() == (True, 0)
+    c.poll("c", 3)                                # a replica that never saw the drain ...
+    assert c.drained() == (False, 3)
+    clock[0] += dr.GONE_S + 1                     # ... and went silent: gone
+    c.poll("a", 0)
+    c.poll("b", 0)
+    assert c.drained() == (True, 0)
+
+
+def test_drain_gate_refuses_new_generation_and_counts_open_requests():
+    """While draining: POSTs get 503 shutting_down + Retry-After, /health 503, reads still
+    answer; every request is counted open until its whole response is sent."""
+    seen_open = []
+
+    class Counting(_FakeEngine):
+        def generate(self, req, request_id):
+            seen_open.append(ingress.open_requests)
+            return super().generate(req, request_id)
+
+    engine = Counting([_out("Hel", 1), _out("lo", 2, True)])
+    ingress, app = _ingress(engine)
+    status, _, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x", "stream": True})
+    assert status == 200 and _events(body)[-1] == b"[DONE]"
+    assert seen_open == [1] and ingress.open_requests == 0
+    ingress.draining = True
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for path, payload in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", chat)):
+        status, headers, body = _asgi(app, "POST", path, payload)
+        assert status == 503 and headers["retry-after"] == "1"
+        assert json.loads(body)["error"]["code"] == "shutting_down"
+    assert _asgi(app, "GET", "/health")[0] == 503
+    assert _asgi(app, "GET", "/v1/models")[0] == 200
+    assert len(engine.request_ids) == 1 and ingress.open_requests == 0
+    assert ingress.metrics.errors == {"503": 3}

@@ -1,0 +1,153 @@
+"""Draining ``dart-ray serve`` on Ctrl-C / SIGTERM: the requests in flight finish, new ones get 503.
+
+    dart-ray serve (run_local) -- ServeControl (named actor, 0 CPUs) <-- every ingress replica
+        | SIGTERM: control.start_drain()                                polls it (draining?) and
+        | wait: every replica saw the drain and has no open request     reports its open requests
+        v serve.shutdown(), Ray down
+
+An ingress replica counts its open HTTP requests in :class:`DrainGate` (an ASGI middleware: a
+request is open until its whole response, an SSE stream included, is sent). Once it knows the
+server drains, it answers new generation requests (every POST) ``503 shutting_down`` with
+``Retry-After``, and ``/health`` 503, so a load balancer stops sending. ``run_local`` waits until
+every replica it heard from has seen the drain and has no open request, or ``drain_timeout_s``
+(then the rest is cut, and said so). Only ``dart-ray serve`` starts the control actor: under
+``serve deploy`` the ingress finds none and none of this runs (Serve's own graceful shutdown
+applies).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+logger = logging.getLogger("ray.serve")
+
+CONTROL_NAME = "dart-ray-serve-control"
+CONTROL_NAMESPACE = "dart-ray"
+POLL_S = 0.25
+"""How often an ingress replica reports to the control actor."""
+GONE_S = 5.0
+"""A replica not heard from for this long is gone (it has nothing left to drain)."""
+
+
+class ServeControl:
+    """The drain flag and every ingress replica's open requests (a Ray actor, see
+    :func:`start_control`)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.replicas: dict[str, tuple[float, int]] = {}
+        """replica -> (time of its last report, its open requests then)."""
+        self.reports_since_drain: dict[str, int] = {}
+
+    def poll(self, replica: str, open_requests: int) -> bool:
+        """A replica's report; returns whether the server drains."""
+        self.replicas[replica] = (time.time(), int(open_requests))
+        if self.draining:
+            self.reports_since_drain[replica] = self.reports_since_drain.get(replica, 0) + 1
+        return self.draining
+
+    def start_drain(self) -> None:
+        self.draining = True
+
+    def drained(self) -> tuple[bool, int]:
+        """(every replica still reporting has counted its open requests knowing of the drain, and
+        has none; the open requests of those replicas). A replica learns of the drain in the
+        answer to its first report after it started, so its second report is the first whose
+        count admits no new request."""
+        now = time.time()
+        alive = {r: n for r, (t, n) in self.replicas.items() if now - t < GONE_S}
+        seen = all(self.reports_since_drain.get(r, 0) >= 2 for r in alive)
+        open_requests = sum(alive.values())
+        return self.draining and seen and open_requests == 0, open_requests
+
+
+def start_control():
+    """The control actor of this ``dart-ray serve`` (created before the applications deploy)."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(ServeControl)
+    return actor.options(name=CONTROL_NAME, namespace=CONTROL_NAMESPACE,
+                         get_if_exists=True).remote()
+
+
+def drain(control, timeout_s: float) -> int:
+    """Start draining and wait until it is done or ``timeout_s`` passed; returns the requests still
+    open at the end (cut by the shutdown that follows)."""
+    import ray
+
+    ray.get(control.start_drain.remote())
+    deadline = time.monotonic() + timeout_s
+    done, open_requests = False, 0
+    announced = False
+    while time.monotonic() < deadline:
+        done, open_requests = ray.get(control.drained.remote())
+        if done:
+            return 0
+        if open_requests and not announced:
+            print(f"draining: waiting for {open_requests} open request(s) to finish (up to "
+                  f"{timeout_s:g} s; new ones get 503)", flush=True)
+            announced = True
+        time.sleep(POLL_S)
+    return open_requests
+
+
+class DrainGate:
+    """ASGI middleware of an ingress replica: counts its open HTTP requests and, while the server
+    drains, refuses new generation requests and reports ``/health`` unhealthy (503)."""
+
+    def __init__(self, app, ingress) -> None:
+        self.app = app
+        self.ingress = ingress
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ing = self.ingress
+        if ing.draining and (scope.get("method") == "POST" or scope.get("path") == "/health"):
+            from deployments.protocol import error_body
+
+            ing.metrics.error(503)
+            body = json.dumps(error_body("the server is shutting down: retry the request (on "
+                                         "another server)", "server_error", None,
+                                         "shutting_down")).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"retry-after", b"1"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        ing.open_requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            ing.open_requests -= 1
+
+
+def follow_control(ingress, replica: str) -> threading.Thread | None:
+    """In an ingress replica: report ``ingress.open_requests`` to this server's control actor every
+    :data:`POLL_S` and set ``ingress.draining`` from its answer (a daemon thread). None when no
+    ``dart-ray serve`` started a control actor."""
+    import ray
+
+    try:
+        control = ray.get_actor(CONTROL_NAME, namespace=CONTROL_NAMESPACE)
+    except ValueError:
+        return None
+
+    def loop() -> None:
+        while True:
+            try:
+                ingress.draining = ray.get(control.poll.remote(replica, ingress.open_requests),
+                                           timeout=10)
+            except Exception:  # noqa: BLE001 - the control actor went away: the server is stopping
+                logger.debug("drain control unreachable", exc_info=True)
+                return
+            time.sleep(POLL_S)
+
+    t = threading.Thread(target=loop, name="dart-ray-drain", daemon=True)
+    t.start()
+    return t
