@@ -188,7 +188,10 @@ def load_profile(ref: str | Path) -> DecodingSchedule:
         raise ValueError(f"{path}: invalid YAML: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a profile must be a mapping")
-    sched = DecodingSchedule.from_dict(data)
+    try:
+        sched = DecodingSchedule.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{path}: {e}") from e              # name the file the error is in
     return dataclasses.replace(sched, source=str(path.resolve()))
 
 

@@ -154,6 +154,8 @@ def start_local_tp(config: EngineConfig, world: int, timeout_s: float = DEFAULT_
 
     With ``config.device == "cuda"``, rank r uses ``cuda:r`` (NCCL); on CPU the ranks use gloo.
     """
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"the tensor-parallel size must be an integer >= 1, got {world!r}")
     if world == 1:
         from dart_ray.parallel.lockstep import local_group
         tp = local_group(config.device)

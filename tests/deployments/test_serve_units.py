@@ -1092,7 +1092,8 @@ def test_serve_checks_the_profile_before_starting_anything(tmp_path, caplog, cap
     with pytest.raises(ValueError, match="draft_depth must be an integer"):
         check_profile(str(bad), local=False)
     assert serve_cli(["--method", "dart", "--profile", str(bad)]) == 2
-    assert "draft_depth must be an integer" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "draft_depth must be an integer" in err and str(bad) in err     # names the file
 
 
 def test_serve_checks_the_model_before_starting_anything(tmp_path, caplog, capsys):

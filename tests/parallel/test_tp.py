@@ -207,6 +207,14 @@ def check_group(engine: Engine, prompts, params, ref) -> None:
     assert len(report) == 2 and report[0] == report[1] and len(report[0]) == 2
 
 
+def test_start_local_tp_refuses_a_size_below_one(tiny_tp_dir):
+    from dart_ray.parallel import start_local_tp
+
+    for world in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="tensor-parallel size must be an integer >= 1"):
+            start_local_tp(tp_config(tiny_tp_dir, "none"), world)
+
+
 @pytest.mark.timeout(240)
 def test_gloo_tp2_equals_tp1(tiny_tp_dir):
     from dart_ray.parallel import start_local_tp
