@@ -20,7 +20,7 @@ from batch.generator import EngineFailure
 from batch.job import BatchJobConfig, run_batch_job
 from batch.store import CorruptPartError, OutputBusyError
 from batch.watchdog import PipelineStalled
-from dart_ray import EngineConfig, SamplingParams
+from dart_ray import EngineConfig, ModelLoadError, SamplingParams, check_model, joins_cluster
 from dart_ray.config import add_engine_args
 
 
@@ -101,6 +101,14 @@ def batch_cli(argv: list[str] | None = None) -> int:
         cfg = config_from_args(a)
     except ValueError as e:
         parser.error(str(e))
+    try:            # the model, before Ray and the actors start (a cluster's nodes may hold it)
+        check_model(cfg.engine.model)
+    except ModelLoadError as e:
+        if not joins_cluster(a.address):
+            print(f"dart-ray batch: error: {e}", file=sys.stderr)
+            return 2
+        logging.getLogger(__name__).warning("model %r is not readable here (%s); the actors "
+                                            "load it on their nodes", cfg.engine.model, e)
     try:
         summary = run_batch_job(cfg, ray_init=ray_init_kwargs(a))
     except (ValueError, KeyError, FileNotFoundError, NotADirectoryError, OutputBusyError,

@@ -224,6 +224,11 @@ class OutputStore:
                 log.warning("%s: its manifest does not record %s (an older dart-ray wrote it); "
                             "taking this run's and recording them", self.root, unknown)
                 old = {**old, **{k: manifest[k] for k in unknown}}
+            for k in ("engine.model", "engine.drafter", "engine.ngram"):
+                v = old.get(k)
+                if isinstance(v, str) and not os.path.isabs(os.path.expanduser(v)) \
+                        and os.path.abspath(os.path.expanduser(v)) == manifest.get(k):
+                    old[k] = manifest[k]    # a relative path an older dart-ray recorded as given
             diff = {k: (old.get(k), manifest.get(k)) for k in sorted(set(old) | set(manifest))
                     if old.get(k) != manifest.get(k)}
             if not diff and unknown:

@@ -35,17 +35,20 @@ if TYPE_CHECKING:
         RequestStats,
         encode_prompt,
     )
+    from dart_ray.models.loading import check_model
 
 __version__ = "0.1.0"
 
-_ENGINE_NAMES = ("Completion", "Engine", "EngineStats", "InvalidPromptError", "PromptTooLongError",
-                 "RequestOutput",
-                 "RequestStats", "encode_prompt")
+_LAZY = {**{name: "dart_ray.engine" for name in (
+    "Completion", "Engine", "EngineStats", "InvalidPromptError", "PromptTooLongError",
+    "RequestOutput", "RequestStats", "encode_prompt")},
+    "check_model": "dart_ray.models.loading"}
+"""Names imported (with torch) from their module on first use."""
 
 __all__ = [
     "METHODS", "DecodingConfig", "EngineConfig", "SamplingParams", "Engine", "EngineStats",
     "Completion", "RequestOutput", "RequestStats", "InvalidPromptError", "PromptTooLongError",
-    "DecodingSchedule", "ModelLoadError", "locate_model",
+    "DecodingSchedule", "ModelLoadError", "locate_model", "check_model",
     "load_profile", "save_profile", "encode_prompt", "fast_allocator_env", "actor_allocator_env",
     "allocator_in_use", "init_ray", "joins_cluster", "local_ray_config",
     "__version__",
@@ -53,9 +56,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The engine names, imported from ``dart_ray.engine`` (and torch) on first use."""
-    if name in _ENGINE_NAMES:
-        value = getattr(importlib.import_module("dart_ray.engine"), name)
+    """The engine names (and ``check_model``), imported with torch on first use."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'dart_ray' has no attribute {name!r}")

@@ -185,18 +185,19 @@ def check_profile(profile: str | None, local: bool) -> None:
                        "nodes", profile, e)
 
 
-def check_model(args: dict[str, Any], local: bool) -> None:
+def check_app_model(args: dict[str, Any], local: bool) -> None:
     """Check an application's ``model`` (flat or under ``engine``) here, before Ray starts, as
-    :func:`check_profile` does its profile: a typo is an error at the command for a local run,
-    a warning on a cluster (its nodes may hold the files)."""
+    :func:`check_profile` does its profile (:func:`dart_ray.check_model`: no model there, an
+    architecture or GGUF this engine cannot run): an error at the command for a local run, a
+    warning on a cluster (its nodes may hold the files)."""
     engine = args.get("engine")
     model = args.get("model", engine.get("model") if isinstance(engine, dict) else None)
     if not isinstance(model, (str, os.PathLike, type(None))):
         return                          # ServeArgs names the type error with the other fields
-    from dart_ray import ModelLoadError, locate_model
+    from dart_ray import ModelLoadError, check_model
 
     try:
-        locate_model(model)
+        check_model(model)
     except ModelLoadError as e:
         if local:
             raise
@@ -290,7 +291,7 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
     for _, _, import_path, args in apps:
         check_app_args(import_path, args)
         check_profile(args.get("profile"), local=address is None)
-        check_model(args, local=address is None)
+        check_app_model(args, local=address is None)
 
     import ray
     from ray import serve

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dart_ray.model_ref import ModelLoadError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture is not one this engine implements."""
+class UnsupportedModelError(ModelLoadError, ValueError):
+    """The checkpoint's architecture is not one this engine implements (a ModelLoadError, so every
+    command reports it as one; a ValueError, as before)."""
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,24 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     return convert_gguf(path) if path.is_file() else path
 
 
+CONVERSION_VERSION = 2
+"""Part of a converted GGUF's cache key, bumped when the conversion changes (2: the header's RoPE
+scaling written back, files this engine cannot run refused), so an older conversion is never
+reused."""
+
+
+def check_model(model: str | os.PathLike | None) -> None:
+    """Raise what loading ``model`` would raise about the model itself (:class:`ModelLoadError`, of
+    which :class:`UnsupportedModelError` is one), without converting or loading weights: a
+    reference naming no model, a config.json this engine cannot run, a GGUF header it cannot
+    convert. Commands call it before they start Ray."""
+    model_dir = converted_dir(model)
+    if model_dir is not None:
+        read_model_args(model_dir)
+    else:
+        gguf_rope_scaling(locate_model(model))
+
+
 def converted_dir(model: str | os.PathLike | None) -> Path | None:
     """The HF directory ``model`` names, or its GGUF's conversion if the cache holds it already;
     None if reading it would need a conversion (nothing is converted here)."""
@@ -84,7 +102,7 @@ def converted_dir(model: str | os.PathLike | None) -> Path | None:
 
 def _gguf_cache_dir(gguf: Path) -> Path:
     st = gguf.stat()
-    ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    ident = f"v{CONVERSION_VERSION}|{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return cache_root() / "gguf" / f"{gguf.stem}-{key}"
 

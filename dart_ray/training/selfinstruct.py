@@ -432,7 +432,7 @@ def check_generation(out: Path, settings: dict, has_rows: bool) -> None:
     dataset; record them on a first run. A directory with rows but no record (made before the
     record existed) is continued with a warning."""
     f = out / GENERATION_FILE
-    if f.is_file():
+    if f.is_file() and has_rows:       # without rows (a run stopped early) it is just replaced
         have = json.loads(f.read_text())
         changed = {k: (have[k], v) for k, v in settings.items() if k in have and have[k] != v}
         if changed:
@@ -500,8 +500,11 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
               "max_new_tokens": max_new_tokens, "style": style}
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, not {style!r}")
+    if style == PRE_QUERY and temperature <= 0:
+        raise ValueError("pre-query sampling needs temperature > 0: every slot asks the same "
+                         "prefix, so greedy decoding writes one request over and over")
     plan_file = out / "plan.json"
-    if plan_file.is_file():
+    if plan_file.is_file() and any(out.glob("prompts-*.jsonl")):   # no shard: nothing to mix
         old = json.loads(plan_file.read_text())
         old.setdefault("style", "list")   # plans written before styles existed
         changed = {k: (old.get(k), v) for k, v in params.items() if k != "n" and old.get(k) != v}
@@ -525,9 +528,6 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
         return out
     from dart_ray import SamplingParams
 
-    if style == PRE_QUERY and temperature <= 0:
-        raise ValueError("pre-query sampling needs temperature > 0: every slot asks the same "
-                         "prefix, so greedy decoding writes one request over and over")
     if engine is None:
         from dart_ray import Engine, EngineConfig
 

@@ -200,6 +200,20 @@ def test_a_manifest_without_committed_parts_is_replaced(tmp_path):
         store.check_manifest({"engine.model": "/other", "max_new_tokens": 4})
 
 
+def test_a_relative_model_path_an_older_version_recorded_still_resumes(tmp_path, monkeypatch):
+    """Commands now record an existing relative --model as absolute; an output whose manifest an
+    older version wrote with the path as given resumes when it names the same directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    store = OutputStore(tmp_path / "out")
+    store.create()
+    store.check_manifest({"engine.model": "m", "max_new_tokens": 4})          # older version
+    store.write_part(pa.table({"id": ["a"]}), "id")
+    store.check_manifest({"engine.model": str(tmp_path / "m"), "max_new_tokens": 4})
+    with pytest.raises(ValueError, match="other settings"):
+        store.check_manifest({"engine.model": str(tmp_path / "elsewhere"), "max_new_tokens": 4})
+
+
 # ---- 8. bad input through the CLI --------------------------------------------------------------
 def _cli_error(capsys, inp: Path, out: Path) -> tuple[int, str]:
     from batch.cli import batch_cli

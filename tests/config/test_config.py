@@ -237,6 +237,12 @@ def test_a_model_that_is_not_there_is_an_error_of_every_command(argv, tmp_path, 
     err = capsys.readouterr().err
     assert f"dart-ray {argv[0]}: error: model path does not exist: {tmp_path / 'nope'}" in err
     assert "Traceback" not in err
+    # a model this engine does not run: the same (before any Ray for batch)
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
+    assert main([*argv, "--model", str(tmp_path / "gpt2"), "--method", "ngram"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "unsupported model_type 'gpt2'" in err and "Traceback" not in err
 
 
 # ---- fingerprint ---------------------------------------------------------------------------------

@@ -1103,7 +1103,7 @@ def test_serve_checks_the_model_before_starting_anything(tmp_path, caplog, capsy
     import ray
 
     from deployments.cli import serve_cli
-    from deployments.run import check_model
+    from deployments.run import check_app_model as check_model
 
     check_model({}, local=True)                                   # the embedded default
     with pytest.raises(RuntimeError, match="does not exist"):

@@ -395,6 +395,7 @@ def test_generate_prompts_stops_when_nothing_new_is_kept_and_refuses_greedy_pre_
     with pytest.raises(ValueError, match="temperature > 0"):
         generate_prompts(tmp_path / "b", n=5, progress=False, engine=_PreQueryEngine([1]),
                          style="pre-query", temperature=0.0)
+    assert not (tmp_path / "b" / "plan.json").exists()       # refused before anything is written
 
 
 def test_generated_rows_are_not_continued_by_another_generator(tmp_path):
@@ -412,6 +413,12 @@ def test_generated_rows_are_not_continued_by_another_generator(tmp_path):
         generate_prompts(tmp_path / "a", max_shards=2, engine=bf16, **kw)
     generate_prompts(tmp_path / "a", max_shards=2, engine=_FakeEngine(), **kw)
     assert len(list((tmp_path / "a").glob("prompts-*.jsonl"))) == 2
+    # a run stopped before its first shard locks nothing: the next run records its own settings
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "plan.json").write_text(json.dumps({**kw, "seed": 99}))
+    (tmp_path / "c" / "generation.json").write_text('{"model": "another-target"}')
+    generate_prompts(tmp_path / "c", max_shards=1, engine=_FakeEngine(), **kw)
+    assert json.loads((tmp_path / "c" / "generation.json").read_text())["model"] == "fake-target"
 
 
 def test_plans_written_before_styles_count_as_the_list_style(tmp_path):
