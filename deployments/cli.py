@@ -72,6 +72,9 @@ def serve_cli(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, TypeError, NotImplementedError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:             # interrupted twice while starting: stopped, cleaned up
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -9,14 +9,16 @@ An ingress replica counts its open HTTP requests in :class:`DrainGate` (an ASGI 
 request is open until its whole response, an SSE stream included, is sent). Once it knows the
 server drains, it answers new generation requests (every POST) ``503 shutting_down`` with
 ``Retry-After``, and ``/health`` 503, so a load balancer stops sending. ``run_local`` waits until
-every replica it heard from has seen the drain and has no open request, or ``drain_timeout_s``
-(then the rest is cut, and said so). Only ``dart-ray serve`` starts the control actor: under
-``serve deploy`` the ingress finds none and none of this runs (Serve's own graceful shutdown
-applies).
+every replica it heard from has seen the drain and has no open request, or ``drain_timeout_s``.
+Then whatever is still open is cut (:func:`cut`): every replica cancels its open requests, which
+cancels their engine calls (the engine aborts them), so Serve's shutdown that follows has nothing
+left to wait for. Only ``dart-ray serve`` starts the control actor: under ``serve deploy`` the
+ingress finds none and none of this runs (Serve's own graceful shutdown applies).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -30,6 +32,10 @@ POLL_S = 0.25
 """How often an ingress replica reports to the control actor."""
 GONE_S = 5.0
 """A replica not heard from for this long is gone (it has nothing left to drain)."""
+CUT_WAIT_S = 5.0
+"""How long :func:`cut` waits for the replicas to cancel their open requests."""
+SERVING, DRAINING, CUTTING = 0, 1, 2
+"""The server's state, as :meth:`ServeControl.poll` answers it."""
 
 
 class ServeControl:
@@ -37,20 +43,27 @@ class ServeControl:
     :func:`start_control`)."""
 
     def __init__(self) -> None:
-        self.draining = False
+        self.state = SERVING
         self.replicas: dict[str, tuple[float, int]] = {}
         """replica -> (time of its last report, its open requests then)."""
         self.reports_since_drain: dict[str, int] = {}
 
-    def poll(self, replica: str, open_requests: int) -> bool:
-        """A replica's report; returns whether the server drains."""
+    @property
+    def draining(self) -> bool:
+        return self.state != SERVING
+
+    def poll(self, replica: str, open_requests: int) -> int:
+        """A replica's report; returns the server's state (SERVING, DRAINING or CUTTING)."""
         self.replicas[replica] = (time.time(), int(open_requests))
         if self.draining:
             self.reports_since_drain[replica] = self.reports_since_drain.get(replica, 0) + 1
-        return self.draining
+        return self.state
 
     def start_drain(self) -> None:
-        self.draining = True
+        self.state = max(self.state, DRAINING)
+
+    def start_cut(self) -> None:
+        self.state = CUTTING
 
     def drained(self) -> tuple[bool, int]:
         """(every replica still reporting has counted its open requests knowing of the drain, and
@@ -75,12 +88,12 @@ def start_control():
 
 def drain(control, timeout_s: float) -> int:
     """Start draining and wait until it is done or ``timeout_s`` passed; returns the requests still
-    open at the end (cut by the shutdown that follows)."""
+    open at the end (for :func:`cut`)."""
     import ray
 
     ray.get(control.start_drain.remote())
     deadline = time.monotonic() + timeout_s
-    done, open_requests = False, 0
+    open_requests = 0
     announced = False
     while time.monotonic() < deadline:
         done, open_requests = ray.get(control.drained.remote())
@@ -91,7 +104,21 @@ def drain(control, timeout_s: float) -> int:
                   f"{timeout_s:g} s; new ones get 503)", flush=True)
             announced = True
         time.sleep(POLL_S)
-    return open_requests
+    return ray.get(control.drained.remote())[1]
+
+
+def cut(control, wait_s: float = CUT_WAIT_S) -> int:
+    """Tell every ingress replica to cancel its open requests (their engine calls are cancelled
+    with them) and wait up to ``wait_s`` until none is open; returns the count still open."""
+    import ray
+
+    ray.get(control.start_cut.remote())
+    deadline = time.monotonic() + wait_s
+    while True:
+        done, open_requests = ray.get(control.drained.remote())
+        if done or time.monotonic() >= deadline:
+            return open_requests
+        time.sleep(POLL_S)
 
 
 class DrainGate:
@@ -120,11 +147,23 @@ class DrainGate:
                                     (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
             return
-        ing.open_requests += 1
+        task = asyncio.current_task()
+        ing.loop = asyncio.get_running_loop()
+        ing.open_tasks.add(task)
         try:
             await self.app(scope, receive, send)
         finally:
-            ing.open_requests -= 1
+            ing.open_tasks.discard(task)
+
+
+def cancel_open_requests(ingress) -> None:
+    """Cancel every request ``ingress`` is answering (from any thread): the cut at the end of a
+    drain. A cancelled request cancels its engine call, which aborts it in the engine."""
+    loop = ingress.loop
+    if loop is None:
+        return
+    for task in list(ingress.open_tasks):
+        loop.call_soon_threadsafe(task.cancel)
 
 
 def follow_control(ingress, replica: str) -> threading.Thread | None:
@@ -139,13 +178,17 @@ def follow_control(ingress, replica: str) -> threading.Thread | None:
         return None
 
     def loop() -> None:
+        cutting = False
         while True:
             try:
-                ingress.draining = ray.get(control.poll.remote(replica, ingress.open_requests),
-                                           timeout=10)
+                state = ray.get(control.poll.remote(replica, ingress.open_requests), timeout=10)
             except Exception:  # noqa: BLE001 - the control actor went away: the server is stopping
                 logger.debug("drain control unreachable", exc_info=True)
                 return
+            ingress.draining = state != SERVING
+            if state == CUTTING and (not cutting or ingress.open_requests):
+                cancel_open_requests(ingress)
+                cutting = True
             time.sleep(POLL_S)
 
     t = threading.Thread(target=loop, name="dart-ray-drain", daemon=True)

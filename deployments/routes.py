@@ -145,10 +145,17 @@ class Ingress:
         self._identity: dict | None = None
         """Served model name and default method, from the first model card (the same on every
         engine replica: they share the args)."""
-        self.open_requests = 0
-        """HTTP requests this replica is answering (:class:`~deployments.drain.DrainGate`)."""
+        self.open_tasks: set = set()
+        """The tasks of the HTTP requests this replica is answering
+        (:class:`~deployments.drain.DrainGate`)."""
+        self.loop = None
+        """The event loop they run on (set by the gate)."""
         self.draining = False
         """The server shuts down: new generation requests get 503 (:mod:`deployments.drain`)."""
+
+    @property
+    def open_requests(self) -> int:
+        return len(self.open_tasks)
 
     # ---- the API key: one dependency of every route but /health ----------------------------------
     def authorize(self, request: Request) -> None:

@@ -256,8 +256,11 @@ def check_local_resources(apps: list, available: dict[str, float]) -> None:
              if v > available.get(k, 0.0) + 1e-9}
     if short:
         what = ", ".join(f"{v:g} {k} (it has {have:g})" for k, (v, have) in short.items())
-        raise ValueError(f"the replicas need {what} of the local Ray: lower num_cpus, "
-                         "tensor_parallel_size or num_replicas, or give Ray more (--num-cpus)")
+        hint = ("lower num_cpus, tensor_parallel_size or num_replicas, or give Ray more "
+                "(--num-cpus)") if "GPU" not in short else \
+            ("lower tensor_parallel_size or num_replicas, or run where Ray sees the GPUs "
+             "(device cpu runs without)")
+        raise ValueError(f"the replicas need {what} of the local Ray: {hint}")
 
 
 def run_local(config_path: str | os.PathLike | None = None, host: str | None = "127.0.0.1",
@@ -296,19 +299,21 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
     import ray
     from ray import serve
 
-    if blocking and threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        # started with SIGINT ignored (`cmd &`)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signals = _Signals() if blocking and threading.current_thread() is threading.main_thread() \
+        else None
+    if signals is not None:
+        signals.install()              # from here on: a SIGTERM during start-up is not a crash
     started_ray = False
-    if address is not None:
-        if not ray.is_initialized():
-            ray.init(address=address)                      # that cluster's own settings, untouched
-    elif not ray.is_initialized():
-        start_local_ray(num_cpus=num_cpus, temp_dir=temp_dir, node_ip_address=node_ip_address,
-                        ray_auth=ray_auth)
-        started_ray = True
     try:
+        if address is not None:
+            if not ray.is_initialized():
+                ray.init(address=address)                  # that cluster's own settings, untouched
+        elif not ray.is_initialized():
+            start_local_ray(num_cpus=num_cpus, temp_dir=temp_dir,
+                            node_ip_address=node_ip_address, ray_auth=ray_auth)
+            started_ray = True
+        if signals is not None:
+            signals.install()          # over the handler ray.init installed
         if started_ray:
             check_local_resources(apps, ray.cluster_resources())
         from deployments.drain import start_control
@@ -321,60 +326,99 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = "
                                         route_prefix=prefix)
                         for name, prefix, import_path, args in apps])
     except BaseException:
-        shutdown_local(started_ray)
+        if signals is not None:
+            signals.phase = "shutting down"
+        try:
+            shutdown_local(started_ray)
+        finally:
+            if signals is not None:
+                signals.restore()
         raise
     url = f"http://{host}:{port}"
     info = {"url": url, "applications": [n for n, *_ in apps], "started_ray": started_ray}
     print(f"dart-ray serving {', '.join(info['applications'])} at {url}/v1 (Ctrl-C to stop)",
           flush=True)
-    if not blocking:
+    if signals is None:
+        if blocking:                  # not the main thread: no signal handlers; serve until killed
+            threading.Event().wait()
         return info
-
-    stop = threading.Event()
-    prev = {}
-    if threading.current_thread() is threading.main_thread():
-        # Ctrl-C and SIGTERM both stop cleanly (SIGINT explicitly: a shell may start us
-        # with it ignored)
-        def on_signal(*_) -> None:
-            if stop.is_set():             # a second signal: stop draining
-                raise KeyboardInterrupt
-            stop.set()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            prev[sig] = signal.signal(sig, on_signal)
     try:
-        while not stop.wait(1.0):
+        while not signals.stop.wait(1.0):
             pass
     except KeyboardInterrupt:
         pass
+    try:
+        _drain(control, drain_timeout_s, signals)
     finally:
+        signals.phase = "shutting down"
+        print("shutting down Serve and Ray ...", flush=True)
         try:
-            _drain(control, drain_timeout_s)
-        finally:
-            for sig, handler in prev.items():
-                signal.signal(sig, handler)
-            print("shutting down Serve and Ray ...", flush=True)
             shutdown_local(started_ray)
+        finally:
+            signals.restore()
     return info
 
 
-def _drain(control, timeout_s: float) -> None:
-    """Let the requests in flight finish (new ones get 503) for up to ``timeout_s``; a second
-    Ctrl-C / SIGTERM cuts it short."""
-    from deployments.drain import drain
+class _Signals:
+    """Ctrl-C / SIGTERM of a blocking ``dart-ray serve``: the first asks it to stop (start-up
+    finishes, then the drain); another one while starting or draining stops that
+    (KeyboardInterrupt); during the shutdown that follows they are only acknowledged. SIGINT is
+    handled even when a shell started the process with it ignored (``cmd &``)."""
 
-    if timeout_s <= 0:
-        return
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.phase = "running"
+        self.prev: dict = {}
+
+    def install(self) -> None:
+        """Take SIGINT and SIGTERM (again after ``ray.init``, which installs its own SIGTERM
+        handler in the driver: one that aborts the process)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            prev = signal.signal(sig, self._on_signal)
+            self.prev.setdefault(sig, prev)
+
+    def restore(self) -> None:
+        for sig, handler in self.prev.items():
+            signal.signal(sig, handler)
+        self.prev = {}
+
+    def _on_signal(self, *_) -> None:
+        if self.phase == "shutting down":
+            print("shutting down already; please wait", flush=True)
+        elif self.stop.is_set():
+            raise KeyboardInterrupt
+        else:
+            self.stop.set()
+
+
+def _drain(control, timeout_s: float, signals: _Signals) -> None:
+    """Let the requests in flight finish (new ones get 503) for up to ``timeout_s`` (a further
+    Ctrl-C / SIGTERM stops waiting), then cancel what is still open, so that Serve's shutdown has
+    nothing left to wait for."""
+    from deployments.drain import cut, drain
+
+    left = 0
     try:
-        left = drain(control, timeout_s)
+        signals.phase = "draining"
+        left = drain(control, timeout_s) if timeout_s > 0 else -1
     except KeyboardInterrupt:
-        print("second interrupt: not waiting for the open requests", flush=True)
-        return
+        print("interrupted again: not waiting for the open requests", flush=True)
+        left = -1
     except Exception as e:  # noqa: BLE001 - never block the shutdown on the drain
         logger.warning("drain failed (%r); shutting down", e)
+        left = -1
+    finally:
+        signals.phase = "shutting down"
+    if left == 0:
         return
-    if left:
-        print(f"drain timeout ({timeout_s:g} s): {left} open request(s) are cut", flush=True)
+    try:
+        still = cut(control)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("cancelling the open requests failed (%r); shutting down", e)
+        return
+    if left > 0:
+        print(f"drain timeout ({timeout_s:g} s): {left} open request(s) cancelled"
+              + (f", {still} still open" if still else ""), flush=True)
 
 
 def shutdown_local(shutdown_ray: bool = True) -> None:

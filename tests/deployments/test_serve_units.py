@@ -719,8 +719,10 @@ def _out(text: str, n: int, finished: bool = False):
 
 def _asgi(app, method: str, path: str, body: dict | bytes | None = None,
           headers: dict | None = None,
-          disconnect_after_first_chunk: bool = False) -> tuple[int, dict, bytes]:
-    """One HTTP request through an ASGI app in-process: (status, headers, body)."""
+          disconnect_after_first_chunk: bool = False,
+          on_first_chunk=None) -> tuple[int, dict, bytes]:
+    """One HTTP request through an ASGI app in-process: (status, headers, body);
+    ``on_first_chunk()`` is called when the first body chunk is sent."""
     import asyncio
 
     raw = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None
@@ -753,6 +755,8 @@ def _asgi(app, method: str, path: str, body: dict | bytes | None = None,
             elif m["type"] == "http.response.body":
                 out["body"] += m.get("body", b"")
                 if m.get("body"):
+                    if on_first_chunk is not None and not first_chunk.is_set():
+                        on_first_chunk()
                     first_chunk.set()
 
         await asyncio.wait_for(app(scope, receive, send), 30)
@@ -1132,10 +1136,10 @@ def test_drain_control_waits_for_every_replica_to_count_knowing_of_the_drain(mon
     clock = [100.0]
     monkeypatch.setattr(dr.time, "time", lambda: clock[0])
     c = dr.ServeControl()
-    assert c.poll("a", 2) is False and c.poll("b", 0) is False
+    assert c.poll("a", 2) == dr.SERVING and c.poll("b", 0) == dr.SERVING
     assert c.drained() == (False, 2)
     c.start_drain()
-    assert c.poll("a", 0) is True and c.poll("b", 0) is True
+    assert c.poll("a", 0) == dr.DRAINING and c.poll("b", 0) == dr.DRAINING
     assert c.drained() == (False, 0)              # counted before they knew: not yet
     c.poll("a", 1)
     c.poll("b", 0)
@@ -1148,6 +1152,23 @@ def test_drain_control_waits_for_every_replica_to_count_knowing_of_the_drain(mon
     c.poll("a", 0)
     c.poll("b", 0)
     assert c.drained() == (True, 0)
+    c.start_cut()
+    assert c.poll("a", 0) == dr.CUTTING and c.draining
+
+
+def test_the_cut_cancels_open_requests_and_their_engine_calls():
+    """What is still open when the drain ends is cancelled (its engine stream too, so the engine
+    aborts it) instead of running on after its client is gone."""
+    import asyncio
+
+    from deployments.drain import cancel_open_requests
+
+    engine = _FakeEngine([_out("Hel", 1)], hang=True)       # a generation that would not end
+    ingress, app = _ingress(engine)
+    with pytest.raises(asyncio.CancelledError):
+        _asgi(app, "POST", "/v1/completions", {"prompt": "x", "stream": True},
+              on_first_chunk=lambda: cancel_open_requests(ingress))
+    assert ingress.open_requests == 0 and engine.streams[0].cancelled
 
 
 def test_drain_gate_refuses_new_generation_and_counts_open_requests():
