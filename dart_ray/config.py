@@ -275,15 +275,42 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks use this for fixed-length runs)."""
 
     def __post_init__(self) -> None:
+        def integer(v) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def number(v) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+        # types first (a 2.5 or "0.5" names its field instead of being rounded or failing later)
+        for name in ("max_new_tokens", "top_k"):
+            _check(integer(getattr(self, name)),
+                   f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p"):
+            _check(number(getattr(self, name)),
+                   f"{name} must be a number, got {getattr(self, name)!r}")
+        _check(self.seed is None or (integer(self.seed) and -(1 << 63) <= self.seed < (1 << 64)),
+               f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got "
+                                                  f"{self.ignore_eos!r}")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(0.0 <= self.temperature <= 100.0,
                f"temperature must be in [0, 100], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        _check(all(isinstance(s, str) and s for s in self.stop),
-               "stop strings must be non-empty str")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop   # one string, as OpenAI's
+        _check(isinstance(stop, (tuple, list)) and all(isinstance(s, str) and s for s in stop),
+               f"stop must be a non-empty string or a sequence of them, got {self.stop!r}")
+        ids = self.stop_token_ids
+        _check(isinstance(ids, (tuple, list)) and all(integer(t) for t in ids),
+               f"stop_token_ids must be a sequence of integers, got {ids!r}")
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        object.__setattr__(self, "stop", tuple(stop))
 
     @property
     def greedy(self) -> bool:

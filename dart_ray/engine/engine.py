@@ -138,6 +138,10 @@ class Engine:
         if self.scratch > 0:
             self.scratch = max(self.scratch, MIN_TREE_SCRATCH)
         self.max_model_len = config.max_seq_len
+        if config.max_seq_len > target.args.max_position_embeddings:
+            log.warning("max_seq_len %d exceeds the model's max_position_embeddings %d: positions "
+                        "beyond it were never trained (the output may degrade there)",
+                        config.max_seq_len, target.args.max_position_embeddings)
         window = target.args.sliding_window
         if window and window + 1 < self.max_model_len:
             # attention has no sliding window: stay inside it. The last token of a request of
@@ -294,7 +298,10 @@ class Engine:
 
     def add_request(self, prompt: PromptLike, params: SamplingParams | None = None,
                     request_id: str | None = None, chat: bool = False) -> str:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams (or None), got "
+                            f"{type(params).__name__}")
         ids = self.encode_prompt(prompt, chat)
         self.check_prompt(ids)
         rid = request_id or uuid.uuid4().hex
@@ -344,11 +351,29 @@ class Engine:
         with a :class:`~dart_ray.engine.detok.RequestText` per request, off this step loop, and
         aborts a request a stop string ended (:class:`~dart_ray.engine.AsyncEngine` does)."""
         outputs: list[RequestOutput] = []
-        if self.waiting and len(self.running) < self.max_batch:
-            self._admit(outputs, detokenize)
-        if self.running:
-            self._decode(outputs, detokenize)
+        try:
+            if self.waiting and len(self.running) < self.max_batch:
+                self._admit(outputs, detokenize)
+            if self.running:
+                self._decode(outputs, detokenize)
+        except BaseException:
+            # a step that failed part-way may have committed KV entries and tokens for rows whose
+            # requests never saw them: decoding on would be silently wrong, so every request ends
+            # (``abort``; an open stream gets its final output) and the engine is clean again
+            self._abort_all()
+            raise
         return outputs
+
+    def _abort_all(self) -> None:
+        for rid in list(self.requests):
+            try:
+                self.abort(rid)
+            except Exception:  # noqa: BLE001 - the others must still end
+                log.exception("abort of %s after a failed step failed", rid)
+        self.waiting.clear()
+        for r in list(self.running):              # a row abort could not free: freed here
+            r.finished, r.finish_reason = True, "abort"
+            self._release([r])
 
     def _admit(self, outputs: list[RequestOutput], detokenize: bool) -> None:
         t0 = time.perf_counter()
@@ -603,6 +628,9 @@ class Engine:
         plist = [prompts] if single else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(plist)
+        elif not isinstance(params, (list, tuple)):
+            raise TypeError(f"params must be a SamplingParams, a list of them or None, got "
+                            f"{type(params).__name__}")
         if len(params) != len(plist):
             raise ValueError(f"{len(params)} SamplingParams for {len(plist)} prompts")
         ids: list[str] = []

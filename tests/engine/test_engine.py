@@ -622,3 +622,49 @@ def test_a_sliding_window_model_runs_to_its_window_plus_one_exactly(tmp_path, sm
         free = unslid.generate(torch.tensor([p]), max_new_tokens=window + 8, do_sample=False,
                                min_new_tokens=window + 8)[0, len(p):].tolist()
     assert free[:window + 1 - len(p)] == refs[1][:window + 1 - len(p)] and free != refs[1]
+
+
+def test_sampling_params_read_as_openai_and_name_bad_types():
+    """A plain string is one stop string (it was split into characters: 'xyz' stopped at the
+    first 'y'); a wrong type names its field instead of being rounded or failing later."""
+    assert SamplingParams(stop="xyz").stop == ("xyz",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(seed=np.int64(3), top_k=np.int32(5)).seed == 3
+    for kw, field in (({"max_new_tokens": 2.5}, "max_new_tokens"),
+                      ({"max_new_tokens": True}, "max_new_tokens"), ({"top_k": 2.5}, "top_k"),
+                      ({"temperature": "0.5"}, "temperature"), ({"seed": 1.5}, "seed"),
+                      ({"seed": 2**64}, "seed"), ({"seed": "abc"}, "seed"),
+                      ({"ignore_eos": "no"}, "ignore_eos"), ({"stop": None}, "stop"),
+                      ({"stop": [""]}, "stop"), ({"stop_token_ids": "12"}, "stop_token_ids"),
+                      ({"stop_token_ids": 5}, "stop_token_ids")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)
+
+
+def test_a_step_that_fails_part_way_ends_every_request_and_leaves_the_engine_exact(tiny, ar_out):
+    """A failure after the step committed KV entries (here the drafter's observe) could leave
+    rows half-committed: every request ends ('abort', an open stream gets its final output, its
+    tokens a prefix of plain decoding's), nothing is left behind, the next generation is exact.
+    A params of the wrong type is a TypeError before anything is added."""
+    eng = make_engine(tiny, "ngram", batch=4, adaptive=False)
+    other = eng.stream(PROMPTS[1], GREEDY)
+    got = list(next(other).new_token_ids)
+    observe, calls = eng.drafter.observe, [0]
+
+    def failing_observe(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("transient drafter failure")
+        return observe(*args, **kwargs)
+
+    eng.drafter.observe = failing_observe
+    with pytest.raises(RuntimeError, match="transient"):
+        eng.generate([PROMPTS[0], PROMPTS[2]], GREEDY)
+    rest = list(other)
+    got += [t for o in rest for t in o.new_token_ids]
+    assert rest[-1].finish_reason == "abort" and got == ar_out[1][:len(got)]
+    assert not eng.requests and not eng.running and not eng.waiting and not eng._streams
+    assert [c.token_ids for c in eng.generate(PROMPTS, GREEDY)] == ar_out
+    with pytest.raises(TypeError, match="SamplingParams"):
+        eng.generate("Hello", {"max_new_tokens": 3})
+    assert not eng.has_unfinished()
