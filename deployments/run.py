@@ -263,13 +263,13 @@ def check_local_resources(apps: list, available: dict[str, float]) -> None:
         raise ValueError(f"the replicas need {what} of the local Ray: {hint}")
 
 
-def run_local(config_path: str | os.PathLike | None = None, host: str | None = "127.0.0.1",
-              port: int | None = 8000, temp_dir: str | None = None, blocking: bool = True,
+def run_local(config_path: str | os.PathLike | None = None, host: str | None = None,
+              port: int | None = None, temp_dir: str | None = None, blocking: bool = True,
               overrides: dict[str, Any] | None = None,
               num_cpus: int | None = None, address: str | None = None, ray_auth: bool | None = None,
               node_ip_address: str = LOOPBACK, drain_timeout_s: float = 30.0) -> dict:
-    """Start a local Ray (or join ``address``), Serve on ``host:port`` and the config's
-    applications.
+    """Start a local Ray (or join ``address``), Serve on ``host:port`` (default: the config's
+    ``http_options``, else 127.0.0.1:8000) and the config's applications.
 
     ``overrides`` update every application's ``args``. A Ray started here binds ``node_ip_address``
     (loopback by default), keeps token auth unless ``ray_auth=False`` and runs workers at nice 0
