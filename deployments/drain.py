@@ -135,25 +135,63 @@ class DrainGate:
             return
         ing = self.ingress
         if ing.draining and (scope.get("method") == "POST" or scope.get("path") == "/health"):
-            from deployments.protocol import error_body
-
             ing.metrics.error(503)
-            body = json.dumps(error_body("the server is shutting down: retry the request (on "
-                                         "another server)", "server_error", None,
-                                         "shutting_down")).encode()
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"retry-after", b"1"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await _refuse(send)
             return
         task = asyncio.current_task()
         ing.loop = asyncio.get_running_loop()
         ing.open_tasks.add(task)
+        sent = {"started": False, "sse": False, "done": False}
+
+        async def watched_send(message) -> None:
+            if message["type"] == "http.response.start":
+                sent["started"] = True
+                sent["sse"] = any(k.lower() == b"content-type"
+                                  and v.startswith(b"text/event-stream")
+                                  for k, v in message.get("headers", []))
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                sent["done"] = True
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, watched_send)
+        except asyncio.CancelledError:
+            if not ing.cutting or sent["done"]:
+                raise                               # a client that left: nothing to tell
+            # cut at the end of a drain: the client still hears why its request ended
+            ing.metrics.error(503)
+            try:
+                if not sent["started"]:
+                    await _refuse(send)
+                elif sent["sse"]:
+                    await send({"type": "http.response.body", "body": _SSE_CUT,
+                                "more_body": False})
+                else:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except Exception:  # noqa: BLE001 - the client is gone too
+                logger.debug("could not tell a cut request's client", exc_info=True)
         finally:
             ing.open_tasks.discard(task)
+
+
+def _shutting_down_body() -> bytes:
+    from deployments.protocol import error_body
+
+    return json.dumps(error_body("the server is shutting down: retry the request (on another "
+                                 "server)", "server_error", None, "shutting_down")).encode()
+
+
+async def _refuse(send) -> None:
+    body = _shutting_down_body()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+_SSE_CUT = b"data: " + _shutting_down_body() + b"\n\ndata: [DONE]\n\n"
+"""How a stream cut at the end of a drain ends: an in-band error event, then ``[DONE]`` (as a
+stream whose replica was lost ends)."""
 
 
 def cancel_open_requests(ingress) -> None:
@@ -162,6 +200,7 @@ def cancel_open_requests(ingress) -> None:
     loop = ingress.loop
     if loop is None:
         return
+    ingress.cutting = True
     for task in list(ingress.open_tasks):
         loop.call_soon_threadsafe(task.cancel)
 

@@ -152,6 +152,8 @@ class Ingress:
         """The event loop they run on (set by the gate)."""
         self.draining = False
         """The server shuts down: new generation requests get 503 (:mod:`deployments.drain`)."""
+        self.cutting = False
+        """The drain has ended: the open requests are being cancelled (each says so)."""
 
     @property
     def open_requests(self) -> int:

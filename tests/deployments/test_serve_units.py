@@ -1159,16 +1159,24 @@ def test_drain_control_waits_for_every_replica_to_count_knowing_of_the_drain(mon
 def test_the_cut_cancels_open_requests_and_their_engine_calls():
     """What is still open when the drain ends is cancelled (its engine stream too, so the engine
     aborts it) instead of running on after its client is gone."""
-    import asyncio
-
     from deployments.drain import cancel_open_requests
 
     engine = _FakeEngine([_out("Hel", 1)], hang=True)       # a generation that would not end
     ingress, app = _ingress(engine)
-    with pytest.raises(asyncio.CancelledError):
-        _asgi(app, "POST", "/v1/completions", {"prompt": "x", "stream": True},
-              on_first_chunk=lambda: cancel_open_requests(ingress))
+    status, _, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x", "stream": True},
+                            on_first_chunk=lambda: cancel_open_requests(ingress))
+    events = _events(body)
+    assert status == 200 and events[-1] == b"[DONE]"             # the client hears why it ended
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+    assert json.loads(events[0])["choices"][0]["text"] == "Hel"
     assert ingress.open_requests == 0 and engine.streams[0].cancelled
+    # a client that leaves by itself (no cut) is cancelled as before: nothing is sent to it
+    ingress.cutting = False
+    engine = _FakeEngine([_out("Hel", 1)], hang=True)
+    ingress, app = _ingress(engine)
+    status, _, body = _asgi(app, "POST", "/v1/completions", {"prompt": "x", "stream": True},
+                            disconnect_after_first_chunk=True)
+    assert b"shutting_down" not in body and engine.streams[0].cancelled
 
 
 def test_drain_gate_refuses_new_generation_and_counts_open_requests():
