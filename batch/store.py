@@ -48,6 +48,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dart_ray.config import PATH_FIELDS
+
 PART_GLOB = "part-*.parquet"
 META_DIR = "_dart_ray"
 
@@ -224,7 +226,7 @@ class OutputStore:
                 log.warning("%s: its manifest does not record %s (an older dart-ray wrote it); "
                             "taking this run's and recording them", self.root, unknown)
                 old = {**old, **{k: manifest[k] for k in unknown}}
-            for k in ("engine.model", "engine.drafter", "engine.ngram"):
+            for k in (f"engine.{name}" for name in PATH_FIELDS):
                 v = old.get(k)
                 if isinstance(v, str) and not os.path.isabs(os.path.expanduser(v)) \
                         and os.path.abspath(os.path.expanduser(v)) == manifest.get(k):

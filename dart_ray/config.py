@@ -62,6 +62,29 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def _is_integer(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _coerce_numbers(obj) -> None:
+    """Check a frozen config dataclass's numeric fields by their annotation (``int``, ``float``,
+    either ``| None``), so a typo (``8.5``, ``true``, ``"8"``) names its field; integral values
+    become plain ints, real ones floats (a stable fingerprint)."""
+    for f in dataclasses.fields(obj):
+        kind, optional = f.type.removesuffix(" | None"), f.type.endswith(" | None")
+        v = getattr(obj, f.name)
+        if kind not in ("int", "float") or (optional and v is None):
+            continue
+        null = " or null" if optional else ""
+        if kind == "int":
+            _check(_is_integer(v), f"{f.name} must be an integer{null}, got {v!r}")
+            object.__setattr__(obj, f.name, int(v))
+        else:
+            _check(isinstance(v, numbers.Real) and not isinstance(v, bool),
+                   f"{f.name} must be a number{null}, got {v!r}")
+            object.__setattr__(obj, f.name, float(v))
+
+
 class RenamedWarning(DeprecationWarning):
     """An old spelling (a config key, a flag, an attribute) was used; it goes away next release.
     The ``dart-ray`` command line shows these (Python hides DeprecationWarnings by default)."""
@@ -183,18 +206,7 @@ class DecodingConfig:
     token."""
 
     def __post_init__(self) -> None:
-        # types first, so a profile's typo (``draft_depth: 8.5``, ``true``, ``"8"``) names the
-        # knob; integral numbers become plain ints, real ones floats (a stable fingerprint)
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.type == "int":
-                _check(isinstance(v, numbers.Integral) and not isinstance(v, bool),
-                       f"{f.name} must be an integer, got {v!r}")
-                object.__setattr__(self, f.name, int(v))
-            elif f.type == "float":
-                _check(isinstance(v, numbers.Real) and not isinstance(v, bool),
-                       f"{f.name} must be a number, got {v!r}")
-                object.__setattr__(self, f.name, float(v))
+        _coerce_numbers(self)          # types first: a profile's typo names the knob
         _check(1 <= self.draft_depth <= 32,
                f"draft_depth must be in [1, 32], got {self.draft_depth}")
         _check(1 <= self.top_k <= 256, f"top_k must be in [1, 256], got {self.top_k}")
@@ -275,20 +287,8 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks use this for fixed-length runs)."""
 
     def __post_init__(self) -> None:
-        def integer(v) -> bool:
-            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-        def number(v) -> bool:
-            return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-        # types first (a 2.5 or "0.5" names its field instead of being rounded or failing later)
-        for name in ("max_new_tokens", "top_k"):
-            _check(integer(getattr(self, name)),
-                   f"{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p"):
-            _check(number(getattr(self, name)),
-                   f"{name} must be a number, got {getattr(self, name)!r}")
-        _check(self.seed is None or (integer(self.seed) and -(1 << 63) <= self.seed < (1 << 64)),
+        _coerce_numbers(self)        # types first: a 2.5 or "0.5" names its field
+        _check(self.seed is None or -(1 << 63) <= self.seed < (1 << 64),
                f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got "
                                                   f"{self.ignore_eos!r}")
@@ -301,14 +301,8 @@ class SamplingParams:
         _check(isinstance(stop, (tuple, list)) and all(isinstance(s, str) and s for s in stop),
                f"stop must be a non-empty string or a sequence of them, got {self.stop!r}")
         ids = self.stop_token_ids
-        _check(isinstance(ids, (tuple, list)) and all(integer(t) for t in ids),
+        _check(isinstance(ids, (tuple, list)) and all(_is_integer(t) for t in ids),
                f"stop_token_ids must be a sequence of integers, got {ids!r}")
-        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
-        object.__setattr__(self, "top_k", int(self.top_k))
-        object.__setattr__(self, "temperature", float(self.temperature))
-        object.__setattr__(self, "top_p", float(self.top_p))
-        if self.seed is not None:
-            object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         object.__setattr__(self, "stop", tuple(stop))
 
@@ -395,14 +389,7 @@ class EngineConfig:
         for name in ("method", "dtype", "device"):
             v = getattr(self, name)
             _check(isinstance(v, str), f"{name} must be a string, got {v!r}")
-        for name, optional in (("max_batch_size", False), ("max_seq_len", False), ("seed", False),
-                               ("num_threads", True)):
-            v = getattr(self, name)
-            if optional and v is None:
-                continue
-            _check(isinstance(v, numbers.Integral) and not isinstance(v, bool),
-                   f"{name} must be an integer{' or null' if optional else ''}, got {v!r}")
-            object.__setattr__(self, name, int(v))
+        _coerce_numbers(self)
         _check(isinstance(self.adaptive, bool),
                f"adaptive must be a boolean, got {self.adaptive!r}")
         _check(self.pack_weights is None or isinstance(self.pack_weights, bool),

@@ -24,6 +24,8 @@ import logging
 import threading
 import time
 
+from deployments.protocol import SSE_DONE, error_body, sse
+
 logger = logging.getLogger("ray.serve")
 
 CONTROL_NAME = "dart-ray-serve-control"
@@ -104,7 +106,7 @@ def drain(control, timeout_s: float) -> int:
                   f"{timeout_s:g} s; new ones get 503)", flush=True)
             announced = True
         time.sleep(POLL_S)
-    return ray.get(control.drained.remote())[1]
+    return open_requests
 
 
 def cut(control, wait_s: float = CUT_WAIT_S) -> int:
@@ -174,22 +176,19 @@ class DrainGate:
             ing.open_tasks.discard(task)
 
 
-def _shutting_down_body() -> bytes:
-    from deployments.protocol import error_body
-
-    return json.dumps(error_body("the server is shutting down: retry the request (on another "
-                                 "server)", "server_error", None, "shutting_down")).encode()
+_SHUTTING_DOWN = error_body("the server is shutting down: retry the request (on another server)",
+                            "server_error", None, "shutting_down")
 
 
 async def _refuse(send) -> None:
-    body = _shutting_down_body()
+    body = json.dumps(_SHUTTING_DOWN).encode()
     await send({"type": "http.response.start", "status": 503,
                 "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 
-_SSE_CUT = b"data: " + _shutting_down_body() + b"\n\ndata: [DONE]\n\n"
+_SSE_CUT = sse(_SHUTTING_DOWN) + SSE_DONE
 """How a stream cut at the end of a drain ends: an in-band error event, then ``[DONE]`` (as a
 stream whose replica was lost ends)."""
 
@@ -217,7 +216,6 @@ def follow_control(ingress, replica: str) -> threading.Thread | None:
         return None
 
     def loop() -> None:
-        cutting = False
         while True:
             try:
                 state = ray.get(control.poll.remote(replica, ingress.open_requests), timeout=10)
@@ -225,9 +223,8 @@ def follow_control(ingress, replica: str) -> threading.Thread | None:
                 logger.debug("drain control unreachable", exc_info=True)
                 return
             ingress.draining = state != SERVING
-            if state == CUTTING and (not cutting or ingress.open_requests):
-                cancel_open_requests(ingress)
-                cutting = True
+            if state == CUTTING and not ingress.cutting:    # once: a second cancel would cut
+                cancel_open_requests(ingress)               # the gate's final event short
             time.sleep(POLL_S)
 
     t = threading.Thread(target=loop, name="dart-ray-drain", daemon=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dart_ray import init_ray, joins_cluster
+from deployments.config import ServeArgs
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_default.yaml"
 LOOPBACK = "127.0.0.1"
@@ -167,42 +168,36 @@ def build_application(import_path: str, args: dict | None):
     raise TypeError(f"{import_path} is neither a serve.Application nor an application builder")
 
 
-def check_profile(profile: str | None, local: bool) -> None:
-    """Load an application's decoding profile here, before Ray or any replica starts, so a typo
-    or a malformed file is an error at the command rather than a replica that fails to start. A
-    profile not found here is an error for a local run (its replicas read the same files) and a
-    warning on a cluster (its nodes may hold it)."""
-    if profile is None:
-        return
-    from dart_ray import load_profile
-
+def _readable_here(check, ref, what: str, missing: type[Exception], local: bool) -> None:
+    """``check(ref)`` here, before Ray starts. ``missing`` (``ref`` not readable here) is an
+    error for a local run (its replicas read the same files) and a warning on a cluster (its
+    nodes may hold the files); any other error is raised either way."""
     try:
-        load_profile(profile)
-    except FileNotFoundError as e:
+        check(ref)
+    except missing as e:
         if local:
             raise
-        logger.warning("profile %r is not readable here (%s); the replicas resolve it on their "
-                       "nodes", profile, e)
+        logger.warning("%s %r is not readable here (%s); the replicas resolve it on their nodes",
+                       what, ref, e)
+
+
+def check_profile(profile: str | None, local: bool) -> None:
+    """Load an application's decoding profile here, before Ray or any replica starts, so a typo
+    or a malformed file is an error at the command rather than a replica that fails to start."""
+    if profile is not None:
+        from dart_ray import load_profile
+
+        _readable_here(load_profile, profile, "profile", FileNotFoundError, local)
 
 
 def check_app_model(args: dict[str, Any], local: bool) -> None:
-    """Check an application's ``model`` (flat or under ``engine``) here, before Ray starts, as
-    :func:`check_profile` does its profile (:func:`dart_ray.check_model`: no model there, an
-    architecture or GGUF this engine cannot run): an error at the command for a local run, a
-    warning on a cluster (its nodes may hold the files)."""
-    engine = args.get("engine")
-    model = args.get("model", engine.get("model") if isinstance(engine, dict) else None)
-    if not isinstance(model, (str, os.PathLike, type(None))):
-        return                          # ServeArgs names the type error with the other fields
+    """Check an application's engine model here, before Ray starts
+    (:func:`dart_ray.check_model`: no model there, an architecture or GGUF this engine cannot
+    run), as :func:`check_profile` does its profile."""
     from dart_ray import ModelLoadError, check_model
 
-    try:
-        check_model(model)
-    except ModelLoadError as e:
-        if local:
-            raise
-        logger.warning("model %r is not readable here (%s); the replicas resolve it on their "
-                       "nodes", model, e)
+    model = ServeArgs.from_dict(args).engine.model
+    _readable_here(check_model, model, "model", ModelLoadError, local)
 
 
 OUR_APP = "deployments.openai_app:build_app"
@@ -213,12 +208,11 @@ def check_app_args(import_path: str, args: dict[str, Any]) -> None:
     TP size or placement is an error at the command, not a replica that never starts)."""
     if import_path != OUR_APP:
         return
-    from deployments.config import ServeArgs
     from deployments.engine_factory import check_tensor_parallel
-    from deployments.placement import deployment_placement
+    from deployments.openai_app import deployment_options
 
     a = ServeArgs.from_dict(args)
-    deployment_placement(a)
+    deployment_options(a)                  # its placement (TP bundles, strategy, per-node cap)
     check_tensor_parallel(a)
 
 
@@ -227,7 +221,6 @@ def app_resources(import_path: str, args: dict[str, Any]) -> dict[str, float]:
     replicas (each with its TP bundles) and the ingress replicas."""
     if import_path != OUR_APP:
         return {}
-    from deployments.config import ServeArgs
     from deployments.openai_app import deployment_options, ingress_options
 
     a = ServeArgs.from_dict(args)
@@ -292,9 +285,10 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = N
                      args))
 
     for _, _, import_path, args in apps:
-        check_app_args(import_path, args)
-        check_profile(args.get("profile"), local=address is None)
-        check_app_model(args, local=address is None)
+        if import_path == OUR_APP:       # another application's builder checks its own args
+            check_app_args(import_path, args)
+            check_profile(args.get("profile"), local=address is None)
+            check_app_model(args, local=address is None)
 
     import ray
     from ray import serve
@@ -326,13 +320,7 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = N
                                         route_prefix=prefix)
                         for name, prefix, import_path, args in apps])
     except BaseException:
-        if signals is not None:
-            signals.phase = "shutting down"
-        try:
-            shutdown_local(started_ray)
-        finally:
-            if signals is not None:
-                signals.restore()
+        _shutdown(started_ray, signals)
         raise
     url = f"http://{host}:{port}"
     info = {"url": url, "applications": [n for n, *_ in apps], "started_ray": started_ray}
@@ -350,13 +338,20 @@ def run_local(config_path: str | os.PathLike | None = None, host: str | None = N
     try:
         _drain(control, drain_timeout_s, signals)
     finally:
-        signals.phase = "shutting down"
         print("shutting down Serve and Ray ...", flush=True)
-        try:
-            shutdown_local(started_ray)
-        finally:
-            signals.restore()
+        _shutdown(started_ray, signals)
     return info
+
+
+def _shutdown(started_ray: bool, signals: _Signals | None) -> None:
+    """:func:`shutdown_local`, with signals only acknowledged meanwhile, then given back."""
+    if signals is not None:
+        signals.phase = "shutting down"
+    try:
+        shutdown_local(started_ray)
+    finally:
+        if signals is not None:
+            signals.restore()
 
 
 class _Signals:
@@ -397,16 +392,15 @@ def _drain(control, timeout_s: float, signals: _Signals) -> None:
     nothing left to wait for."""
     from deployments.drain import cut, drain
 
-    left = 0
+    left = None                    # open requests when the waiting ended (None: it did not wait)
+    signals.phase = "draining"
     try:
-        signals.phase = "draining"
-        left = drain(control, timeout_s) if timeout_s > 0 else -1
+        if timeout_s > 0:
+            left = drain(control, timeout_s)
     except KeyboardInterrupt:
         print("interrupted again: not waiting for the open requests", flush=True)
-        left = -1
     except Exception as e:  # noqa: BLE001 - never block the shutdown on the drain
         logger.warning("drain failed (%r); shutting down", e)
-        left = -1
     finally:
         signals.phase = "shutting down"
     if left == 0:
@@ -416,7 +410,7 @@ def _drain(control, timeout_s: float, signals: _Signals) -> None:
     except Exception as e:  # noqa: BLE001
         logger.warning("cancelling the open requests failed (%r); shutting down", e)
         return
-    if left > 0:
+    if left:
         print(f"drain timeout ({timeout_s:g} s): {left} open request(s) cancelled"
               + (f", {still} still open" if still else ""), flush=True)
 

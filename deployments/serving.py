@@ -268,8 +268,9 @@ class DartRayServer:
         t0 = time.perf_counter()
         agen = track = last = None
         try:
-            if self._hooks.check_health is not None:
-                self._hooks.check_health()           # a failed TP group takes no request
+            lost = self._group_failure()
+            if lost is not None:                     # a failed TP group takes no request
+                raise lost
             self._check_model(req.model)
             self._check_prompt_size(req)             # before a lane is built or anything tokenised
             lane = await self._lane(req.speculative)
@@ -290,23 +291,23 @@ class DartRayServer:
                 track.aborted(last)
             raise
         except Exception as e:  # noqa: BLE001 - the stream ends with the error, in-band
-            yield engine_error(self._replica_failure(e), self.args.retry_after_s)
+            yield engine_error(self._group_failure() or e, self.args.retry_after_s)
         finally:
             if agen is not None:
                 await agen.aclose()
 
-    def _replica_failure(self, e: Exception) -> Exception:
-        """``e``, or a :class:`ReplicaLostError` when this replica can serve no more (its
-        tensor-parallel group failed): then the request is retryable elsewhere (503
+    def _group_failure(self) -> ReplicaLostError | None:
+        """A :class:`ReplicaLostError` when this replica can serve no more (its tensor-parallel
+        group failed), else None: a request it fails is then retryable elsewhere (503
         ``replica_lost``; the ingress resubmits one with no output yet), not a 500 of its own."""
         if self._hooks.check_health is None:
-            return e
+            return None
         try:
             self._hooks.check_health()
         except Exception as failed:  # noqa: BLE001 - any failure of the group's health
             return ReplicaLostError(f"this engine replica's tensor-parallel group failed "
                                     f"({failed}); Serve replaces the replica")
-        return e
+        return None
 
     def model_card(self) -> dict:
         """The ``/v1/models`` entry of this replica's model."""

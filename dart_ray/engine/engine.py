@@ -370,10 +370,6 @@ class Engine:
                 self.abort(rid)
             except Exception:  # noqa: BLE001 - the others must still end
                 log.exception("abort of %s after a failed step failed", rid)
-        self.waiting.clear()
-        for r in list(self.running):              # a row abort could not free: freed here
-            r.finished, r.finish_reason = True, "abort"
-            self._release([r])
 
     def _admit(self, outputs: list[RequestOutput], detokenize: bool) -> None:
         t0 = time.perf_counter()

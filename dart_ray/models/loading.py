@@ -83,20 +83,24 @@ def check_model(model: str | os.PathLike | None) -> None:
     which :class:`UnsupportedModelError` is one), without converting or loading weights: a
     reference naming no model, a config.json this engine cannot run, a GGUF header it cannot
     convert. Commands call it before they start Ray."""
-    model_dir = converted_dir(model)
+    path = locate_model(model)
+    model_dir = path if path.is_dir() else _cached_conversion(path)
     if model_dir is not None:
         read_model_args(model_dir)
     else:
-        gguf_rope_scaling(locate_model(model))
+        gguf_rope_scaling(path)
 
 
 def converted_dir(model: str | os.PathLike | None) -> Path | None:
     """The HF directory ``model`` names, or its GGUF's conversion if the cache holds it already;
     None if reading it would need a conversion (nothing is converted here)."""
     path = locate_model(model)
-    if path.is_dir():
-        return path
-    out = _gguf_cache_dir(path)
+    return path if path.is_dir() else _cached_conversion(path)
+
+
+def _cached_conversion(gguf: Path) -> Path | None:
+    """``gguf``'s complete conversion in the cache, or None."""
+    out = _gguf_cache_dir(gguf)
     return out if (out / ".complete").is_file() and (out / "config.json").is_file() else None
 
 
@@ -109,10 +113,11 @@ def _gguf_cache_dir(gguf: Path) -> Path:
 
 def convert_gguf(gguf: Path) -> Path:
     """Convert ``gguf`` once to a safetensors directory in the cache; return that directory."""
-    out = _gguf_cache_dir(gguf)
-    if (out / "config.json").is_file() and (out / ".complete").is_file():
-        return out
+    cached = _cached_conversion(gguf)
+    if cached is not None:
+        return cached
     check_gguf_header(gguf)
+    out = _gguf_cache_dir(gguf)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(out.parent / f".{out.name}.lock"):
         if (out / ".complete").is_file():

@@ -71,14 +71,19 @@ def data_fingerprint(seqs: list, seqs_per_step: int, max_len: int, seed: int) ->
     return h.hexdigest()[:16]
 
 
+def _write_synced(path: Path, write, mode: str = "wb") -> None:
+    """``write(file)`` into ``path``, then flushed to disk (fsync)."""
+    with open(path, mode) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_state(state: dict, ckpt_dir: Path) -> Path:
     """Write ``state`` to ``ckpt_dir/state.pt`` atomically (temp file, fsync, rename)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     dst, tmp = ckpt_dir / STATE_FILE, ckpt_dir / f".{STATE_FILE}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_synced(tmp, lambda f: torch.save(state, f))
     os.replace(tmp, dst)
     return dst
 
@@ -101,16 +106,10 @@ def save_states_together(states: list[tuple[dict, Path]], commit_dir: Path) -> N
         return
     for state, ckpt_dir in states:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        with open(ckpt_dir / PENDING_FILE, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(ckpt_dir / PENDING_FILE, lambda f, state=state: torch.save(state, f))
     commit_dir.mkdir(parents=True, exist_ok=True)
     record, tmp = commit_dir / JOINT_COMMIT_FILE, commit_dir / f".{JOINT_COMMIT_FILE}.tmp"
-    with open(tmp, "w") as f:
-        json.dump([str(d) for _, d in states], f)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_synced(tmp, lambda f: json.dump([str(d) for _, d in states], f), "w")
     os.replace(tmp, record)
     finish_joint_commit(commit_dir, [d for _, d in states])
 

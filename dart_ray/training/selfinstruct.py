@@ -504,7 +504,8 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
         raise ValueError("pre-query sampling needs temperature > 0: every slot asks the same "
                          "prefix, so greedy decoding writes one request over and over")
     plan_file = out / "plan.json"
-    if plan_file.is_file() and any(out.glob("prompts-*.jsonl")):   # no shard: nothing to mix
+    done = sorted(out.glob("prompts-*.jsonl"))
+    if plan_file.is_file() and done:                  # no shard yet: nothing to mix
         old = json.loads(plan_file.read_text())
         old.setdefault("style", "list")   # plans written before styles existed
         changed = {k: (old.get(k), v) for k, v in params.items() if k != "n" and old.get(k) != v}
@@ -513,7 +514,6 @@ def generate_prompts(out_dir: str | Path, n: int = 4000, model: str | None = Non
                              "new --out")
     write_text_atomic(json.dumps(params, indent=2), plan_file)
     filters = PromptFilters.create(threshold, eval_prompts)
-    done = sorted(out.glob("prompts-*.jsonl"))
     if any(f.name != f"prompts-{i:05d}.jsonl" for i, f in enumerate(done)):
         raise ValueError(f"{out}: prompt shards are not numbered 0..{len(done) - 1}; use a new "
                          "--out")

@@ -972,7 +972,7 @@ def test_a_consumer_that_stops_at_the_finished_output_is_finished_one_that_leave
 
     metrics = ServerMetrics("tiny")
     fake = types.SimpleNamespace(
-        _hooks=types.SimpleNamespace(check_health=None), _replica_failure=lambda e: e,
+        _hooks=types.SimpleNamespace(check_health=None), _group_failure=lambda: None,
         _check_model=lambda m: None, _check_prompt_size=lambda r: None, _lane=lane,
         _prepare=prepare, _params=lambda req, n: SamplingParams(max_new_tokens=2),
         server_metrics=metrics, aengine=types.SimpleNamespace(stream=stream),
@@ -1059,7 +1059,7 @@ def test_a_replica_whose_tp_group_failed_answers_replica_lost_not_500():
         _params=lambda req, n: SamplingParams(max_new_tokens=2),
         server_metrics=ServerMetrics("tiny"), aengine=types.SimpleNamespace(stream=failing_step),
         args=types.SimpleNamespace(retry_after_s=1.0))
-    fake._replica_failure = lambda e: cls._replica_failure(fake, e)
+    fake._group_failure = lambda: cls._group_failure(fake)
 
     async def first_item():
         agen = cls.generate(fake, parse_completion({"prompt": "x"}), "r")
