@@ -64,6 +64,7 @@ from batch.generator import OUTPUT_COLUMNS, OUTPUT_SCHEMA, BatchStats, DartGener
 from batch.store import OutputStore, id_report, retry_report
 from batch.watchdog import PipelineStalled, consume
 from dart_ray import EngineConfig, SamplingParams, actor_allocator_env, init_ray, load_profile
+from dart_ray.profiles import refuse_profile_over_decoding
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ class BatchJobConfig:
 
     def __post_init__(self) -> None:
         self.engine = EngineConfig.from_dict(self.engine)
+        refuse_profile_over_decoding(self.profile, self.engine.decoding)
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.batch_size < 1:

@@ -33,8 +33,10 @@ def _apply_profile(engine, profile: str | None) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from dart_ray import Engine, PromptTooLongError, SamplingParams
+    from dart_ray.profiles import refuse_profile_over_decoding
 
     cfg = EngineConfig.from_args(a)
+    refuse_profile_over_decoding(a.profile, cfg.decoding)
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=tuple(a.stop or ()))
     engine = Engine.from_config(cfg)
@@ -91,19 +93,17 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if fixed:
         raise ValueError(f"bench sets {fixed} itself (rows = --batch-size, max_seq_len 2048, auto "
                          "packing, drafter seed 0); drop those flags")
+    from dart_ray.profiles import refuse_profile_over_decoding
+
     cfg = EngineConfig.from_args(a)          # --method is not used: --methods lists what runs
+    refuse_profile_over_decoding(a.profile, cfg.decoding)
     prompts = load_prompts(a.prompts, limit=a.limit)
     decoding = cfg.decoding
     if a.profile:
-        from dart_ray.profiles import load_profile
-
-        decoding = load_profile(a.profile).for_batch_size(a.batch_size)
+        decoding = _bench_profile(a.profile, a.batch_size, cfg)
     drafters = _method_map(a.drafter_for, "--drafter-for")
-    decodings = {}
-    for m, prof in _method_map(a.profile_for, "--profile-for").items():
-        from dart_ray.profiles import load_profile
-
-        decodings[m] = load_profile(prof).for_batch_size(a.batch_size)
+    decodings = {m: _bench_profile(prof, a.batch_size, cfg)
+                 for m, prof in _method_map(a.profile_for, "--profile-for").items()}
     report = run_bench(prompts, a.methods.split(","), model=cfg.model, drafter=cfg.drafter,
                        ngram=cfg.ngram, chat=a.chat, max_new_tokens=a.max_new_tokens,
                        batch_size=a.batch_size, dtype=cfg.dtype, threads=cfg.num_threads,
@@ -118,6 +118,24 @@ def cmd_bench(a: argparse.Namespace) -> int:
         plot_report(report, a.plot)
         print(f"wrote {a.plot}")
     return 0
+
+
+def _bench_profile(ref: str, batch_size: int, cfg: EngineConfig):
+    """A profile's knobs at ``batch_size``, with the warning every command gives when it was tuned
+    on other hardware (this machine, dtype and threads as the bench runs them; the model is not
+    compared: the bench has not loaded it yet)."""
+    from dart_ray.hardware import Fingerprint, resolve_dtype
+    from dart_ray.profiles import check_profile_hardware, load_profile, profile_fingerprint
+
+    sched = load_profile(ref)
+    try:
+        recorded = profile_fingerprint(sched)
+    except (TypeError, ValueError):
+        recorded = None                              # check_profile_hardware names it
+    here = Fingerprint.current(cfg.device, dtype=resolve_dtype(cfg.dtype, cfg.device).dtype,
+                               model=recorded.model if recorded else "", threads=cfg.num_threads)
+    check_profile_hardware(sched, here)
+    return sched.for_batch_size(batch_size)
 
 
 def cmd_prompts(a: argparse.Namespace) -> int:

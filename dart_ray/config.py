@@ -275,7 +275,9 @@ class SamplingParams:
     uniform keyed by (seed, position) (:mod:`dart_ray.verify.randomness`), so a seeded request's
     output is the same in any batch, under any tree schedule (adaptive or not) and with any
     method -- the one plain sampling with this seed gives -- except SpS, whose draft model samples
-    its drafts from a sequential stream (reproducible for a fixed schedule only)."""
+    its drafts from a sequential stream (reproducible for a fixed schedule only). In fp32: in
+    bf16 the logits depend on the verify forward's shape, so another batch or tree size can flip
+    a token whose uniform lies near a boundary."""
 
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end the request (the tokenizer's EOS always does unless ignore_eos)."""
@@ -296,7 +298,7 @@ class SamplingParams:
         _check(0.0 <= self.temperature <= 100.0,
                f"temperature must be in [0, 100], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        _check(0 <= self.top_k < (1 << 63), f"top_k must be in [0, 2**63), got {self.top_k}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop   # one string, as OpenAI's
         _check(isinstance(stop, (tuple, list)) and all(isinstance(s, str) and s for s in stop),
                f"stop must be a non-empty string or a sequence of them, got {self.stop!r}")

@@ -106,9 +106,16 @@ class DecodingSchedule:
         if unknown:
             raise ValueError(f"malformed decoding profile: unknown keys {sorted(unknown)} "
                              "(expected workload, schedule, meta)")
+        if not isinstance(d.get("schedule"), list):
+            got = type(d.get("schedule")).__name__
+            raise ValueError("malformed decoding profile: 'schedule' must be a list of entries "
+                             f"{{max_batch_size, decoding}}, got {got}")
         try:
             entries = []
             for e in d["schedule"]:
+                if not isinstance(e, Mapping):
+                    raise ValueError("malformed decoding profile: a schedule entry must be a "
+                                     f"mapping {{max_batch_size, decoding}}, got {e!r}")
                 extra = set(e) - {"max_batch_size", "decoding"}
                 if extra:
                     raise ValueError(f"malformed decoding profile: unknown keys {sorted(extra)} in "
@@ -131,18 +138,27 @@ def save_profile(schedule: DecodingSchedule, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(schedule.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(yaml.safe_dump(schedule.to_dict(), sort_keys=False))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+PROFILE_SUFFIXES = (".yaml", ".yml", ".json")
+"""File suffixes that make a profile reference a path rather than a name."""
 
 
 def resolve_profile(ref: str | Path) -> Path:
     p = Path(ref).expanduser()
     if p.is_file():
         return p
-    if p.suffix or os.sep in str(ref):
+    if p.suffix in PROFILE_SUFFIXES or os.sep in str(ref):   # a path ("chat.v2" is a name)
         raise FileNotFoundError(f"decoding profile not found: {p}")
     dirs = [Path(os.environ["DART_RAY_PROFILES"])] if os.environ.get("DART_RAY_PROFILES") else []
+    others = []
     for d in dirs + [SHIPPED]:
         cand = d / f"{ref}.yaml"
         variants = sorted(d.glob(f"{ref}@*.yaml"))
@@ -152,8 +168,9 @@ def resolve_profile(ref: str | Path) -> Path:
                 return mine
         if cand.is_file():
             return cand
-        if variants:
-            return variants[0]
+        others += variants
+    if others:           # tuned on another CPU class only: the first directory's first variant
+        return others[0]
     raise FileNotFoundError(f"no decoding profile named {ref!r} in "
                             f"{[str(d) for d in dirs + [SHIPPED]]}")
 
@@ -274,6 +291,15 @@ def check_profile_hardware(schedule: DecodingSchedule, fingerprint: Any) -> list
                   + ". Its knobs still apply; run `dart-ray tune --for-this-machine` to re-tune "
                     "them here.", ProfileHardwareWarning, stacklevel=2)
     return diffs
+
+
+def refuse_profile_over_decoding(profile: Any, decoding: DecodingConfig) -> None:
+    """A profile replaces the engine's decoding knobs: given both (``--profile`` and
+    ``--decoding`` / ``engine.decoding``), the knobs would be dropped without a word. Raises
+    ValueError then."""
+    if profile is not None and decoding != DecodingConfig():
+        raise ValueError("a decoding profile replaces the engine's decoding knobs, and both were "
+                         "given (--profile and --decoding / engine.decoding): give one of them")
 
 
 def apply_profile(engine, profile: str | Path | DecodingSchedule) -> DecodingSchedule:

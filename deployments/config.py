@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dart_ray import EngineConfig
+from dart_ray.profiles import refuse_profile_over_decoding
 from deployments.placement import STRATEGIES
 
 
@@ -116,6 +117,10 @@ class ServeArgs:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 _fail(f"{name} must be a string or null, got {type(v).__name__}")
+        try:
+            refuse_profile_over_decoding(self.profile, self.engine.decoding)
+        except ValueError as e:
+            _fail(str(e))
         for name in ("tensor_parallel_size", "max_queue", "num_replicas", "retry_after_s",
                      "max_lanes", "max_body_bytes", "tokenizer_workers", "ingress_num_replicas",
                      "max_replica_retries"):

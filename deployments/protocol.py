@@ -7,12 +7,15 @@ Parsing is explicit (no pydantic models) so every rejection is an OpenAI-style e
 Supported: ``/v1/completions`` (prompt: string, token ids, or a one-element list of either) and
 ``/v1/chat/completions`` (messages with string or text-part content), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k`` (vLLM extra), ``seed``, ``stop``
-(string or list), ``stop_token_ids`` / ``ignore_eos`` (vLLM extras), ``stream`` with
+(string or list), ``stop_token_ids`` / ``ignore_eos`` / ``add_special_tokens`` (vLLM extras; the
+last defaults as vLLM's: true for completions, false for chat), ``stream`` with
 ``stream_options.include_usage``, ``n`` = 1 only, and the extra ``speculative`` field
 (``true``/``false``/``{"method": <one of dart_ray.METHODS>}``). Parameters that would change the
 output in ways the engine cannot honour (logprobs, echo, suffix, penalties, logit_bias, tools and
-tool messages, json mode, n > 1, best_of > 1, vLLM's min_tokens / min_p / guided decoding /
-include_stop_str_in_output / prompt_logprobs) are rejected with 400 rather than silently ignored.
+tool messages, json mode, n > 1, best_of > 1, vLLM's sampling, structured-output, rendering and
+chat-template extras: ``_NEUTRAL``) are rejected with 400 unless they hold their default, and a
+field the server does not know is refused as OpenAI refuses it ("Unrecognized request argument").
+Bookkeeping fields (``user``, ``metadata``, ``store``, ...: ``_NO_EFFECT_KEYS``) are accepted.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class GenerationRequest:
     include_usage: bool = False
     speculative: str | None = None  # None: the server's method; else one of dart_ray.METHODS
     user: str | None = None
+    add_special_tokens: bool = True  # the tokenizer's BOS etc.; vLLM: completions yes, chat no
     extra: dict = field(default_factory=dict)
 
     @property
@@ -108,6 +112,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad(f"request body must be a JSON object, got {type(body).__name__}",
                   code="invalid_json")
@@ -209,7 +215,66 @@ def _speculative(body: dict) -> str | None:
               "invalid_type")
 
 
+# The request fields each endpoint knows. Anything else is refused, as OpenAI does ("Unrecognized
+# request argument"): a field this server does not know may change the output elsewhere.
+_COMMON_KEYS = frozenset((
+    "model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
+    "stop", "stop_token_ids", "ignore_eos", "speculative", "add_special_tokens", "n",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+    "top_logprobs", "response_format", "echo",
+))
+_KEYS = {
+    "completion": _COMMON_KEYS | {"prompt", "max_completion_tokens", "best_of", "suffix"},
+    "chat": _COMMON_KEYS | {"messages", "max_completion_tokens", "tools", "functions",
+                            "tool_choice", "function_call", "parallel_tool_calls"},
+}
+_NO_EFFECT_KEYS = frozenset((
+    "user", "metadata", "store", "service_tier", "request_id", "cache_salt", "safety_identifier",
+    "prompt_cache_key",
+))
+"""Accepted and not used: bookkeeping that does not change the output."""
+_NEUTRAL = {
+    # vLLM sampling extras
+    "min_tokens": (0,), "min_p": (0, 0.0), "include_stop_str_in_output": (False,),
+    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1, 1.0),
+    "allowed_token_ids": (), "bad_words": ([],), "logits_processors": ([],),
+    "truncate_prompt_tokens": (), "priority": (0,), "vllm_xargs": ({},),
+    "kv_transfer_params": (),
+    # structured output (vLLM's old and new spellings)
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    # how the output is rendered
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    # OpenAI features this server does not have
+    "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
+    "web_search_options": (), "verbosity": (),
+}
+"""Known fields this server does not implement: accepted only absent, null or at these values
+(which are what the field's absence means), else refused with 400."""
+_CHAT_TEMPLATE_NEUTRAL = {
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},), "documents": (),
+}
+"""vLLM's chat-template fields: the template is always applied with the generation prompt."""
+
+
+def _check_keys(body: dict, kind: str) -> None:
+    neutral = _NEUTRAL if kind == "completion" else {**_NEUTRAL, **_CHAT_TEMPLATE_NEUTRAL}
+    for key, v in body.items():
+        if key in _KEYS[kind] or key in _NO_EFFECT_KEYS:
+            continue
+        if key not in neutral:
+            raise bad(f"Unrecognized request argument supplied: {key}", key,
+                      "unknown_parameter")
+        # == on bool/int/float would make 1 match True: compare types too
+        if v is not None and not any(type(v) is type(n) and v == n for n in neutral[key]):
+            raise bad(f"'{key}' is not supported (only its default is accepted)", key,
+                      "unsupported_value")
+
+
 def _unsupported(body: dict, kind: str) -> None:
+    _check_keys(body, kind)
     n = _int(body, "n", 1)
     if n != 1:
         raise bad(f"only n=1 is supported, got n={n}", "n", "unsupported_value")
@@ -233,13 +298,6 @@ def _unsupported(body: dict, kind: str) -> None:
     logprobs_off = lp is None or (kind == "chat" and lp is False)
     if not logprobs_off or body.get("top_logprobs") not in (None, 0):
         raise bad("'logprobs' is not supported", "logprobs", "unsupported_value")
-    # vLLM extras that change the output: refused rather than ignored
-    for key, neutral in (("min_tokens", 0), ("min_p", 0.0), ("include_stop_str_in_output", False),
-                         ("prompt_logprobs", None), ("guided_json", None), ("guided_regex", None),
-                         ("guided_choice", None), ("guided_grammar", None)):
-        v = body.get(key)
-        if v is not None and v != neutral:
-            raise bad(f"'{key}' is not supported", key, "unsupported_value")
     if body.get("echo"):
         raise bad("'echo' is not supported", "echo", "unsupported_value")
     if body.get("suffix"):
@@ -269,22 +327,32 @@ def _common(body: dict, kind: str, prompt, chat: bool, max_tokens: int | None) -
             raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
         if not stream:
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        unknown = sorted(set(so) - {"include_usage", "continuous_usage_stats"})
+        if unknown:
+            raise bad(f"'stream_options' has unknown keys {unknown}", "stream_options",
+                      "unknown_parameter")
         include_usage = _bool(so, "include_usage", False)
+        if _bool(so, "continuous_usage_stats", False):
+            raise bad("'stream_options.continuous_usage_stats' is not supported (usage comes in "
+                      "the final chunk)", "stream_options", "unsupported_value")
     stop_ids = body.get("stop_token_ids")
     user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("'user' must be a string", "user", "invalid_type")
     return GenerationRequest(
         kind=kind, model=model, prompt=prompt, chat=chat, max_tokens=max_tokens,
         temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=max(0, _int(body, "top_k", 0, -1)),          # vLLM: -1 = disabled
-        seed=_int(body, "seed", None, 0, (1 << 63) - 1),
+        top_k=max(0, _int(body, "top_k", 0, -1, (1 << 63) - 1)),   # vLLM: -1 = disabled
+        seed=_int(body, "seed", None, -(1 << 63), (1 << 64) - 1),
         stop=_stop(body),
         stop_token_ids=(tuple(_token_ids(stop_ids, "stop_token_ids")) if stop_ids is not None
                         else ()),
         ignore_eos=_bool(body, "ignore_eos", False),
         stream=stream, include_usage=stream and include_usage,
         speculative=_speculative(body),
-        user=user if isinstance(user, str) else None,
+        user=user,
+        add_special_tokens=_bool(body, "add_special_tokens", kind == "completion"),
     )
 
 
@@ -305,13 +373,21 @@ def parse_completion(body: dict) -> GenerationRequest:
         raise bad("'prompt' is empty", "prompt")
     else:
         raise bad("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
-    max_tokens = _int(body, "max_tokens", 16, 1)
-    return _common(body, "completion", prompt, False, max_tokens)
+    return _common(body, "completion", prompt, False, _max_tokens(body, 16))
+
+
+def _max_tokens(body: dict, default: int | None) -> int | None:
+    """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _int(body, key, default, 1)
 
 
 def _message_content(m: dict, i: int) -> str:
     c = m.get("content")
     if c is None:
+        if m["role"] != "assistant":     # OpenAI: only an assistant's content may be null
+            raise bad(f"messages[{i}].content is required for role {m['role']!r}",
+                      f"messages[{i}].content", "missing_required_parameter")
         return ""
     if isinstance(c, str):
         return c
@@ -324,7 +400,7 @@ def _message_content(m: dict, i: int) -> str:
             else:
                 raise bad(f"messages[{i}].content: only text parts are supported",
                           f"messages[{i}].content", "unsupported_value")
-        return "".join(parts)
+        return "\n".join(parts)          # as vLLM joins text parts
     raise bad(f"messages[{i}].content must be a string or a list of text parts",
               f"messages[{i}].content", "invalid_type")
 
@@ -351,9 +427,7 @@ def parse_chat(body: dict) -> GenerationRequest:
                       "calling is not supported)", f"messages[{i}]", "unsupported_value")
         out.append({"role": "system" if role == "developer" else role,
                     "content": _message_content(m, i)})
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, key, None, 1)
-    return _common(body, "chat", out, True, max_tokens)
+    return _common(body, "chat", out, True, _max_tokens(body, None))
 
 
 def prompt_size(req: GenerationRequest) -> tuple[int, int | None]:

@@ -80,12 +80,12 @@ class TokenizerPool:
                 tok = self._local.tok = copy.deepcopy(self._proto)
         return tok
 
-    def _encode(self, prompt, chat: bool) -> list[int]:
-        return encode_prompt(self._tokenizer(), prompt, chat)
+    def _encode(self, prompt, chat: bool, add_special_tokens: bool) -> list[int]:
+        return encode_prompt(self._tokenizer(), prompt, chat, add_special_tokens)
 
-    async def encode(self, prompt, chat: bool) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode,
-                                                                prompt, chat)
+    async def encode(self, prompt, chat: bool, add_special_tokens: bool) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._encode, prompt, chat, add_special_tokens)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -225,13 +225,18 @@ class DartRayServer:
         """Serve ``user_config``: ``{"decoding": {...}}`` or ``{"profile": name}`` (no reload);
         every lane takes the new schedule (lanes built later copy it from the main engine)."""
         from dart_ray import DecodingConfig, DecodingSchedule, load_profile
+        from dart_ray.profiles import check_profile_hardware
 
         user_config = dict(user_config or {})
         unknown = set(user_config) - {"decoding", "profile"}
         if unknown:
             raise ValueError(f"unknown user_config keys {sorted(unknown)}; "
                              "known: ['decoding', 'profile']")
-        if user_config.get("profile"):
+        if user_config.get("profile") and user_config.get("decoding"):
+            raise ValueError("user_config gives both 'profile' and 'decoding'; a profile replaces "
+                             "the decoding knobs: give one of them")
+        from_profile = bool(user_config.get("profile"))
+        if from_profile:
             schedule = load_profile(user_config["profile"])
         elif user_config.get("decoding"):
             schedule = DecodingSchedule.constant(
@@ -243,6 +248,8 @@ class DartRayServer:
 
         def apply(engines: dict) -> None:
             for e in engines.values():
+                if from_profile and getattr(e, "fingerprint", None) is not None:
+                    check_profile_hardware(schedule, e.fingerprint)   # warns once, as at start
                 e.set_decoding(schedule)
 
         self.aengine.call_future(apply, lane=None).result()
@@ -395,7 +402,7 @@ class DartRayServer:
         ids = req.token_ids
         if ids is None:
             try:
-                ids = await self.tokenizers.encode(req.prompt, req.chat)
+                ids = await self.tokenizers.encode(req.prompt, req.chat, req.add_special_tokens)
             except Exception as e:  # noqa: BLE001 - tokenizer / chat template rejected the input
                 raise bad(f"invalid prompt: {e}", req.prompt_param) from None
         if not ids:

@@ -90,7 +90,7 @@ def choose_batch_size(run: TuneRun, r: BatchResult) -> DecodingConfig:
         cands["tuned"] = best_cfg
     ev = evaluate_on(run.engine, cands, run.eval_prompts, r.batch_size, run.params, s.chat,
                      s.eval_repeats, run.deadline)
-    return _choose_on_eval(s, r, ev, best_cfg, default_cfg)
+    return _choose_on_eval(s, r, ev, best_cfg, default_cfg, run.engine.config.dtype)
 
 
 def _eval_estimate(run: TuneRun, dt, bt, n_cfg: int) -> float:
@@ -114,7 +114,7 @@ def _choose_on_trials(r: BatchResult, dt, bt, best_cfg: DecodingConfig,
 
 
 def _choose_on_eval(s: TuneSettings, r: BatchResult, ev: dict, best_cfg: DecodingConfig,
-                    default_cfg: DecodingConfig) -> DecodingConfig:
+                    default_cfg: DecodingConfig, run_dtype: str) -> DecodingConfig:
     r.eval_runs = len(ev["default"]["runs"])
     r.default_tps, r.tau_default = ev["default"]["tokens_per_s"], ev["default"]["tau"]
     r.default_p95 = ev["default"]["p95_latency_s"]
@@ -125,7 +125,7 @@ def _choose_on_eval(s: TuneSettings, r: BatchResult, ev: dict, best_cfg: Decodin
     r.best_tps, r.tau_best, r.best_p95 = tuned["tokens_per_s"], tuned["tau"], tuned["p95_latency_s"]
     same = r.outputs_equal = ev["tuned"]["outputs"] == ev["default"]["outputs"]
     bound = s.p95_bound(r.default_p95) if s.multi_objective else None
-    if not same and s.engine.dtype == "fp32":
+    if not same and run_dtype == "fp32":      # the dtype it ran in, not the one asked for (auto)
         r.note = _join(r.note,
                        "tuned config changed fp32 greedy outputs on the eval split: rejected")
     elif bound is not None and r.best_p95 > bound:

@@ -132,6 +132,9 @@ def tune_cli(argv: list[str] | None = None) -> int:
     except (StudyMismatchError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:              # e.g. --out not writable, found when the profile is written
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except NoTrialCompletedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -24,7 +24,8 @@ One trial = one :class:`~dart_ray.DecodingConfig` at one batch size, measured **
    ``reruns`` are always reported.
 3. **Exactness gate**, for a trial that survived every ASHA rung (a stopped trial never becomes
    a result, so checking it would only spend the tuning budget). Greedy outputs for a few check
-   prompts, decoded with the trial's config at the trial's batch size, must equal plain AR
+   prompts, decoded with the trial's config and the trial's batch size's knobs (at most as many
+   rows as there are check prompts, ``--check-prompts``, 2 by default), must equal plain AR
    outputs token for token. The AR references are computed once per worker (AR engine sharing
    the check target's weights). A mismatch raises :class:`ExactnessError`: the trial errors
    before its final report, so it never becomes a result. When the measuring engine runs in

@@ -83,8 +83,11 @@ def check_some_trial_completed(results: Sequence[BatchResult], s: TuneSettings) 
     if failed and not any(r.counts.get("complete", 0) for r in results):
         raise NoTrialCompletedError(
             f"all {failed} trial(s) failed at every batch size, none completed: no profile "
-            f"written to {s.out}. The trials' errors are in the log above and Ray Tune's trial "
-            f"logs under {s.results_path}")
+            f"written to {s.out}. The trials' errors are in Ray Tune's trial logs under "
+            f"{s.results_path} (and in the log above for trials this run started). Failed trials "
+            f"count as finished, so rerunning does not run them again: to start over after fixing "
+            f"the cause, remove the study's storage ({s.storage_display}) or pass another "
+            f"--storage")
 
 
 __all__ = ["DEFAULT_TRIALS", "MAX_BATCH_BOUND", "TUNABLE_METHODS", "WARM_TRIALS", "BatchResult",

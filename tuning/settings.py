@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dart_ray import METHODS, EngineConfig
+from dart_ray.config import DTYPES
 from tuning import study as studies
 from tuning.objective import LOAD_THRESHOLD
 
@@ -132,6 +133,33 @@ class TuneSettings:
             raise ValueError("p95 bounds must be > 0")
         if self.load_probe_tokens < 0 or not 0.0 < self.load_threshold < 1.0:
             raise ValueError("load probe tokens must be >= 0 and the load threshold in (0, 1)")
+        if self.check_dtype is not None and self.check_dtype not in DTYPES:
+            raise ValueError(f"check dtype must be one of {list(DTYPES)} or 'same', got "
+                             f"{self.check_dtype!r}")
+        if self.prompts_per_trial is not None and self.prompts_per_trial < 1:
+            raise ValueError(f"prompts per trial must be >= 1, got {self.prompts_per_trial}")
+        if self.check_prompts < 0 or (self.check_tokens is not None and self.check_tokens < 1):
+            raise ValueError("check prompts must be >= 0 (0 turns the exactness check off) and "
+                             "check tokens >= 1")
+        if self.eval_repeats < 1 or self.max_concurrent_trials < 1:
+            raise ValueError("eval repeats and max concurrent trials must be >= 1")
+        for name in ("cpus_per_trial", "gpus_per_trial"):
+            v = getattr(self, name)
+            if v is not None and (v < 0 or (name == "cpus_per_trial" and v == 0)):
+                raise ValueError(f"{name.replace('_', ' ')} must be > 0, got {v}")
+        out = self.out_path
+        if out.is_dir():
+            raise ValueError(f"--out {self.out} is a directory; name the profile YAML to write")
+        if out.suffix not in (".yaml", ".yml"):
+            raise ValueError(f"--out {self.out} must end in .yaml or .yml (a profile is YAML)")
+        if self.storage is not None:
+            from sqlalchemy.engine import make_url
+            from sqlalchemy.exc import ArgumentError
+
+            try:
+                make_url(self.storage)
+            except ArgumentError as e:
+                raise ValueError(f"--storage is not a database URL: {e}") from None
 
     @property
     def out_path(self) -> Path:

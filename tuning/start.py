@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dart_ray import (
-    DecodingConfig,
     DecodingSchedule,
     Engine,
     EngineConfig,
@@ -79,6 +78,19 @@ def split_prompts(prompts: list[str], n: int, eval_fraction: float,
     n_eval = int(round(len(chosen) * eval_fraction)) if len(chosen) >= 2 else 0
     n_eval = min(n_eval, len(chosen) - 1)
     return chosen[n_eval:], chosen[:n_eval]
+
+
+def check_prompts_fit(engine: Engine, tune_p: list[str], eval_p: list[str], chat: bool) -> None:
+    """Every sampled prompt tokenises to something the engine accepts (fits the context), checked
+    before any trial: a prompt that does not would fail every trial (tune split) or the run after
+    all of them (eval split)."""
+    for split, prompts in (("tune", tune_p), ("eval", eval_p)):
+        for i, p in enumerate(prompts):
+            try:
+                engine.check_prompt(engine.encode_prompt(p, chat))
+            except ValueError as e:
+                raise ValueError(f"{split} prompt {i} ({p[:40]!r}...): {e}; drop it from the "
+                                 "prompt file or raise --max-seq-len") from None
 
 
 def start_tune_ray(s: TuneSettings) -> bool:
@@ -147,7 +159,14 @@ def start_tune(s: TuneSettings, deadline: Deadline, log: Callable[[str], None], 
     log("loading the engine in the driver (drafter depth, hardware, held-out evaluation)...")
     engine = Engine.from_config(ecfg)
     log(f"machine: {engine.fingerprint.summary()}")
-    space = SearchSpace.for_engine(engine, DecodingConfig())
+    check_prompts_fit(engine, tune_p, eval_p, s.chat)
+    small = [b for b in s.batch_sizes if b > min(len(tune_p), len(eval_p))]
+    if small:
+        log(f"warning: batch sizes {small} are measured with at most {len(tune_p)} (tune) / "
+            f"{len(eval_p)} (eval) prompts in flight, fewer than their rows: raise --num-prompts "
+            "for a profile entry measured at its batch size")
+    # the engine's --decoding knobs are the base: the default point and every untuned knob
+    space = SearchSpace.for_engine(engine, s.engine.decoding)
     ranges = [f"{p.name}[{short_number(p.low)}..{short_number(p.high)}{' log' if p.log else ''}]"
               for p in space.params]
     log(f"search space ({engine.drafter.name}, trained depth {engine.drafter.max_draft_depth}): "

@@ -373,10 +373,11 @@ class AsyncEngine:
         self._inbox.put(_Call(fn, lane, fut))
         return fut
 
-    async def encode(self, prompt, chat: bool = False) -> list[int]:
+    async def encode(self, prompt, chat: bool = False,
+                     add_special_tokens: bool | None = None) -> list[int]:
         """Tokenise on the engine thread (blocks stepping while it runs; servers tokenise elsewhere
         and pass token ids, see ``deployments.serving``)."""
-        return await self.call(lambda e: e.encode_prompt(prompt, chat))
+        return await self.call(lambda e: e.encode_prompt(prompt, chat, add_special_tokens))
 
     async def add_lane(self, name: str, factory: Callable[[Engine], Engine]) -> None:
         """Build another engine on the engine thread (``factory(main_engine)``) unless ``name``

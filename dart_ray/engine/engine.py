@@ -74,15 +74,24 @@ class PromptTooLongError(InvalidPromptError):
     """The prompt does not fit the context."""
 
 
-def encode_prompt(tokenizer, prompt: PromptLike, chat: bool = False) -> list[int]:
-    """Text (optionally through the chat template), chat messages, or token ids -> ids."""
+def encode_prompt(tokenizer, prompt: PromptLike, chat: bool = False,
+                  add_special_tokens: bool | None = None) -> list[int]:
+    """Text (optionally through the chat template), chat messages, or token ids -> ids.
+
+    ``add_special_tokens``: whether the tokenizer adds its special tokens (a Llama tokenizer's
+    BOS) around the text. None = as Hugging Face and vLLM do by default: yes for plain text (the
+    model saw BOS in training), no for a chat template (the template writes them). Token ids are
+    taken as they are."""
+    if isinstance(prompt, str) and chat:
+        prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, str):
-        if chat:
-            return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False))
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        asp = True if add_special_tokens is None else add_special_tokens
+        return list(tokenizer(prompt, add_special_tokens=asp)["input_ids"])
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        if add_special_tokens:
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                 tokenize=False)
+            return list(tokenizer(text, add_special_tokens=True)["input_ids"])
         return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
@@ -280,9 +289,11 @@ class Engine:
         return self.schedule.for_batch_size(batch_size)
 
     # ---- requests -----------------------------------------------------------------------------
-    def encode_prompt(self, prompt: PromptLike, chat: bool = False) -> list[int]:
-        """Text (optionally through the chat template), chat messages, or token ids -> ids."""
-        return encode_prompt(self.tokenizer, prompt, chat)
+    def encode_prompt(self, prompt: PromptLike, chat: bool = False,
+                      add_special_tokens: bool | None = None) -> list[int]:
+        """Text (optionally through the chat template), chat messages, or token ids -> ids
+        (:func:`encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, chat, add_special_tokens)
 
     def check_prompt(self, ids: Sequence[int]) -> None:
         if len(ids) == 0:

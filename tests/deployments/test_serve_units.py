@@ -148,8 +148,9 @@ def test_parse_completion():
                        ("prompt_logprobs", 1), ("guided_json", {}), ("tool_choice", "auto"),
                        ("tool_choice", {"type": "function"}), ("function_call", "auto")):
         assert _err(parse_completion, {"prompt": "x", key: value}).param == key, key
-    assert parse_completion({"prompt": "x", "min_tokens": 0, "min_p": 0, "tool_choice": "none",
+    assert parse_completion({"prompt": "x", "min_tokens": 0, "min_p": 0,
                              "include_stop_str_in_output": False}).prompt == "x"
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "tool_choice": "none"}).chat
     assert _err(parse_completion, {}).code == "missing_required_parameter"
     assert _err(parse_completion, {"prompt": ["a", "b"]}).code == "unsupported_value"
     assert _err(parse_completion, {"prompt": 5}).code == "invalid_type"
@@ -178,7 +179,7 @@ def test_parse_chat_and_json():
                                                               {"type": "text", "text": "b"}]}],
                     "max_completion_tokens": 7})
     assert r.chat and r.prompt == [{"role": "system", "content": "be brief"},
-                                   {"role": "user", "content": "ab"}]
+                                   {"role": "user", "content": "a\nb"}]   # as vLLM joins
     assert r.max_tokens == 7
     assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).max_tokens is None
     assert _err(parse_chat, {"messages": []}).param == "messages"
@@ -192,9 +193,63 @@ def test_parse_chat_and_json():
                                            "content": [{"type": "image_url"}]}]}).code \
         == "unsupported_value"
     assert _err(parse_json, b"[1, 2]").code == "invalid_json"
+    deep = b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    assert _err(parse_json, deep).code == "invalid_json"           # not a RecursionError 500
     assert _err(parse_json, b"").code == "invalid_json"
     assert _err(parse_json, b"\xff\xfe").code == "invalid_json"
     assert parse_json(b'{"a": 1}') == {"a": 1}
+
+
+def test_fields_the_server_does_not_honour_are_refused_not_ignored():
+    user = {"messages": [{"role": "user", "content": "x"}]}
+    # vLLM extras that change the output, and OpenAI features it lacks: refused unless default
+    for key, value in (("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+                       ("use_beam_search", True), ("logits_processors", ["p"]),
+                       ("structured_outputs", {"json": {}}), ("return_tokens_as_token_ids", True),
+                       ("skip_special_tokens", False), ("truncate_prompt_tokens", 8),
+                       ("priority", 1), ("prediction", {"type": "content", "content": "x"}),
+                       ("min_p", 1), ("reasoning_effort", "low")):
+        for parse, body in ((parse_completion, {"prompt": "x"}), (parse_chat, user)):
+            e = _err(parse, {**body, key: value})
+            assert (e.param, e.code) == (key, "unsupported_value"), (parse, key)
+    for key, value in (("add_generation_prompt", False), ("continue_final_message", True),
+                       ("chat_template", "{{ x }}"), ("chat_template_kwargs", {"a": 1})):
+        assert _err(parse_chat, {**user, key: value}).code == "unsupported_value", key
+        assert _err(parse_completion, {"prompt": "x", key: value}).code == "unknown_parameter"
+    assert parse_chat({**user, "add_generation_prompt": True, "continue_final_message": False,
+                       "chat_template_kwargs": {}, "skip_special_tokens": True,
+                       "modalities": ["text"], "metadata": {"k": "v"}, "store": False,
+                       "parallel_tool_calls": True, "request_id": "r1"}).chat
+    # a field nobody defines: refused as OpenAI refuses it
+    e = _err(parse_completion, {"prompt": "x", "temprature": 0.5})
+    assert (e.param, e.code) == ("temprature", "unknown_parameter")
+    assert "Unrecognized request argument" in e.message
+    assert _err(parse_completion, {"prompt": "x", "tools": []}).code == "unknown_parameter"
+    e = _err(parse_chat, {**user, "stream": True,
+                          "stream_options": {"continuous_usage_stats": True}})
+    assert e.param == "stream_options"
+    assert _err(parse_chat, {**user, "stream": True, "stream_options": {"x": 1}}).code \
+        == "unknown_parameter"
+    # completions honour max_completion_tokens as chat does
+    assert parse_completion({"prompt": "x", "max_completion_tokens": 3, "max_tokens": 9}) \
+        .max_tokens == 3
+    # types and ranges as OpenAI / vLLM take them
+    assert _err(parse_completion, {"prompt": "x", "user": 123}).code == "invalid_type"
+    assert parse_completion({"prompt": "x", "seed": -1}).seed == -1
+    e = _err(parse_completion, {"prompt": "x", "temperature": 1, "top_k": 2 ** 63})
+    assert e.param == "top_k"
+    assert _err(parse_completion, {"prompt": "x", "top_k": 1e300}).param == "top_k"
+    for role in ("user", "system"):
+        e = _err(parse_chat, {"messages": [{"role": role, "content": None}]})
+        assert e.code == "missing_required_parameter", role
+    assert parse_chat({"messages": [{"role": "user", "content": "x"},
+                                    {"role": "assistant", "content": None},
+                                    {"role": "user", "content": "y"}]}).prompt[1]["content"] == ""
+    # BOS: vLLM's defaults (completions add the tokenizer's special tokens, chat does not)
+    assert parse_completion({"prompt": "x"}).add_special_tokens
+    assert not parse_chat(user).add_special_tokens
+    assert not parse_completion({"prompt": "x", "add_special_tokens": False}).add_special_tokens
+    assert parse_chat({**user, "add_special_tokens": True}).add_special_tokens
 
 
 def test_sse_and_usage():

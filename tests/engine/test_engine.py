@@ -634,11 +634,46 @@ def test_sampling_params_read_as_openai_and_name_bad_types():
                       ({"max_new_tokens": True}, "max_new_tokens"), ({"top_k": 2.5}, "top_k"),
                       ({"temperature": "0.5"}, "temperature"), ({"seed": 1.5}, "seed"),
                       ({"seed": 2**64}, "seed"), ({"seed": "abc"}, "seed"),
+                      ({"top_k": 2**63}, "top_k"), ({"top_k": -1}, "top_k"),
                       ({"ignore_eos": "no"}, "ignore_eos"), ({"stop": None}, "stop"),
                       ({"stop": [""]}, "stop"), ({"stop_token_ids": "12"}, "stop_token_ids"),
                       ({"stop_token_ids": 5}, "stop_token_ids")):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
+
+
+def test_a_top_k_past_the_vocabulary_samples_beside_others_as_no_top_k(tiny):
+    """A top_k of 2**63 failed every request of the step it was admitted in (an int64 overflow
+    inside acceptance); now SamplingParams refuses it, and any representable top_k >= V samples
+    as top_k = 0 while another request decodes beside it."""
+    eng = make_engine(tiny, "ngram", batch=2, adaptive=False)
+    plain = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    ref = eng.generate(PROMPTS[0], plain)[0].token_ids
+    huge = plain.__class__(**{**plain.__dict__, "top_k": 2**63 - 1})
+    outs = eng.generate([PROMPTS[0], PROMPTS[1]], [huge, GREEDY])
+    assert outs[0].token_ids == ref and len(outs[1].token_ids) == GREEDY.max_new_tokens
+
+
+def test_encode_prompt_adds_the_tokenizers_bos_to_text_as_hf_and_vllm_do():
+    """Plain text gets the tokenizer's special tokens (a Llama tokenizer's BOS) by default; a chat
+    template writes its own, so none are added there unless asked; ids pass through."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from dart_ray import encode_prompt
+    vocab = {"<s>": 0, "</s>": 1, "Hello": 2, "world": 3, "[UNK]": 4}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "<s>{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    assert encode_prompt(tok, "Hello world") == [0, 2, 3] == tok("Hello world")["input_ids"]
+    assert encode_prompt(tok, "Hello world", add_special_tokens=False) == [2, 3]
+    assert encode_prompt(tok, "Hello", chat=True) == [0, 2]
+    msgs = [{"role": "user", "content": "Hello"}]
+    assert encode_prompt(tok, msgs) == [0, 2]
+    assert encode_prompt(tok, msgs, add_special_tokens=True) == [0, 0, 2]   # asked: doubled
+    assert encode_prompt(tok, [3, 2]) == [3, 2]
 
 
 def test_a_step_that_fails_part_way_ends_every_request_and_leaves_the_engine_exact(tiny, ar_out):

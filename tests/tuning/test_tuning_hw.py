@@ -431,3 +431,125 @@ def test_a_fresh_closing_probe_opens_the_next_trial(worker, monkeypatch):
     assert worker.measure_load(job.load_probe_tokens, reuse_within_s=10.0) is not None
     assert len(calls) == 6
     worker.probe = obj.LoadProbe()
+
+
+# ---- a review's findings (twenty-fourth sitting) --------------------------------------------
+def test_a_tuned_config_that_changed_fp32_outputs_is_rejected_when_auto_resolved_to_fp32(tmp_path):
+    """The eval-split exactness rule read the *requested* dtype ("auto" by default), so on a
+    machine where auto resolves to fp32 a config that changed greedy outputs could be chosen."""
+    from tuning.choose import _choose_on_eval
+    from tuning.search import BatchResult
+    from tuning.settings import TuneSettings
+
+    s = TuneSettings(prompts="p.jsonl", workload="w", out=str(tmp_path / "w.yaml"))
+    assert s.engine.dtype == "auto"
+    ev = {"default": {"runs": [1], "tokens_per_s": 10.0, "tau": 1.0, "p95_latency_s": 1.0,
+                      "outputs": [[1, 2]]},
+          "tuned": {"tokens_per_s": 20.0, "tau": 2.0, "p95_latency_s": 1.0, "outputs": [[1, 3]]}}
+    best, default = DecodingConfig(tree_budget=30), DecodingConfig()
+
+    def choose(dtype):
+        r = BatchResult(batch_size=1, study_name="w.bs1", counts={}, ran_trials=1,
+                        default_params={}, best_params={}, best_trial=1)
+        return _choose_on_eval(s, r, ev, best, default, dtype), r
+
+    cfg, r = choose("fp32")
+    assert cfg == default and r.chosen == "default" and "changed fp32 greedy outputs" in r.note
+    cfg, r = choose("bf16")              # half precision: outputs may differ at near-ties
+    assert cfg == best and r.chosen == "tuned"
+
+
+def test_tune_settings_refuse_what_would_fail_late_or_be_ignored(tmp_path):
+    from tuning.settings import TuneSettings
+
+    def settings(**kw):
+        return TuneSettings(**{"prompts": "p.jsonl", "workload": "w",
+                               "out": str(tmp_path / "w.yaml"), **kw})
+
+    for kw, match in (({"check_dtype": "float32"}, "check dtype"),
+                      ({"prompts_per_trial": 0}, "prompts per trial"),
+                      ({"check_prompts": -1}, "check prompts"),
+                      ({"check_tokens": 0}, "check tokens"),
+                      ({"eval_repeats": 0}, "eval repeats"),
+                      ({"max_concurrent_trials": 0}, "max concurrent"),
+                      ({"cpus_per_trial": 0}, "cpus per trial"),
+                      ({"gpus_per_trial": -1}, "gpus per trial"),
+                      ({"out": str(tmp_path)}, "is a directory"),
+                      ({"out": str(tmp_path / "w.txt")}, r"\.yaml"),
+                      ({"storage": "sqlite:/relative.db"}, "storage")):
+        with pytest.raises(ValueError, match=match):
+            settings(**kw)
+    assert settings(check_dtype=None, check_prompts=0, storage="sqlite:///x.db").check_prompts == 0
+
+
+def test_profile_names_with_dots_and_a_matching_variant_in_a_later_directory(tmp_path,
+                                                                             monkeypatch):
+    from dart_ray.profiles import SHIPPED, resolve_profile
+
+    monkeypatch.setenv("DART_RAY_PROFILES", str(tmp_path))
+    save_profile(_schedule(_fp(), workload="chat.v2"), tmp_path / "chat.v2.yaml")
+    assert resolve_profile("chat.v2") == tmp_path / "chat.v2.yaml"     # a name, not a path
+    with pytest.raises(FileNotFoundError):
+        resolve_profile("chat.yaml")                                    # a path that is not there
+    # DART_RAY_PROFILES holds only another CPU class's variant; the shipped directory has a
+    # plain profile: the plain one wins over a variant tuned elsewhere
+    assert (SHIPPED / "code.yaml").is_file() or list(SHIPPED.glob("code@*.yaml"))
+    save_profile(_schedule(_fp(cpu="Other CPU"), workload="code"), tmp_path / "code@other.yaml")
+    assert resolve_profile("code") != tmp_path / "code@other.yaml"
+    # a variant elsewhere is still found when nothing else is
+    save_profile(_schedule(_fp(cpu="Other CPU"), workload="zz"), tmp_path / "zz@other.yaml")
+    assert resolve_profile("zz") == tmp_path / "zz@other.yaml"
+
+
+def test_a_malformed_schedule_and_a_failed_write_are_clear(tmp_path):
+    for bad, match in (({"schedule": "abc"}, "must be a list"),
+                       ({"schedule": {"a": 1}}, "must be a list"),
+                       ({"schedule": ["x"]}, "must be a mapping")):
+        with pytest.raises(ValueError, match=match):
+            DecodingSchedule.from_dict(bad)
+    (tmp_path / "p.yaml").mkdir()
+    with pytest.raises(OSError):
+        save_profile(_schedule(_fp()), tmp_path / "p.yaml")
+    assert not (tmp_path / "p.yaml.tmp").exists()                      # no temporary left behind
+
+
+def test_a_profile_and_decoding_knobs_together_are_refused(tmp_path):
+    from batch.job import BatchJobConfig
+    from dart_ray.cli import main
+    from deployments.config import ServeArgs
+
+    knobs = DecodingConfig(tree_budget=12)
+    with pytest.raises(ValueError, match="give one of them"):
+        ServeArgs(engine=EngineConfig(decoding=knobs), profile="code")
+    with pytest.raises(ValueError, match="give one of them"):
+        BatchJobConfig(input="i", output="o", engine=EngineConfig(decoding=knobs), profile="code")
+    assert ServeArgs(engine=EngineConfig(), profile="code").profile == "code"
+    for cmd in (["generate", "x"], ["bench", "--prompts", "chat"]):
+        assert main([*cmd, "--profile", "code", "--decoding", '{"tree_budget": 12}']) == 2
+
+
+def test_start_tune_checks_prompts_first_and_tunes_around_the_given_knobs(tiny_model, tmp_path,
+                                                                          monkeypatch):
+    """A prompt over the context failed every trial (tune split) or the run after all of them
+    (eval split): it is named before any trial. ``--decoding`` was dropped (the space's base was
+    DecodingConfig()): it is now the default point and the untuned knobs."""
+    import ray
+
+    from tuning.start import Deadline, start_tune
+    from tuning.settings import TuneSettings
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 1.0})
+    knobs = DecodingConfig(tree_budget=12, eps=1e-3)
+    s = TuneSettings(prompts="p.jsonl", workload="w", out=str(tmp_path / "w.yaml"),
+                     batch_sizes=[1, 4], num_prompts=8,
+                     engine=EngineConfig(model=str(tiny_model), method="dart", drafter="random",
+                                         ngram="none", dtype="fp32", max_seq_len=64,
+                                         decoding=knobs))
+    logs: list[str] = []
+    prompts = PROMPTS[:7] + ["word " * 200]
+    with pytest.raises(ValueError, match=r"prompt \d+ .*context allows at most 63"):
+        start_tune(s, Deadline(None), logs.append, prompts, None)
+    run = start_tune(s, Deadline(None), logs.append, PROMPTS, None)
+    assert run.space.base == knobs and run.space.default_point()["tree_budget"] == 12
+    assert run.space.to_config(run.space.default_point()).eps == 1e-3      # an untuned knob
+    assert any("batch sizes [4]" in m for m in logs)   # 2 eval prompts: bs 4 never fills up
