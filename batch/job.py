@@ -63,7 +63,14 @@ import pyarrow.parquet as pq
 from batch.generator import OUTPUT_COLUMNS, OUTPUT_SCHEMA, BatchStats, DartGenerator, EngineFailure
 from batch.store import OutputStore, id_report, retry_report
 from batch.watchdog import PipelineStalled, consume
-from dart_ray import EngineConfig, SamplingParams, actor_allocator_env, init_ray, load_profile
+from dart_ray import (
+    EngineConfig,
+    SamplingParams,
+    actor_allocator_env,
+    init_ray,
+    joins_cluster,
+    load_profile,
+)
 from dart_ray.profiles import refuse_profile_over_decoding
 
 log = logging.getLogger(__name__)
@@ -639,6 +646,7 @@ def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa
     import ray.data
 
     init_ray(**(ray_init or {}))    # a Ray started here: workers not niced below others
+    local = not joins_cluster((ray_init or {}).get("address"))   # no autoscaler to add CPUs
     total = ray.cluster_resources().get("CPU", 1.0)
     largest = max((n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes()
                    if n.get("Alive")), default=total)
@@ -651,6 +659,7 @@ def _run_pipeline(cfg: BatchJobConfig, store: OutputStore, inp: _Input, done: pa
     if cfg.num_cpus_per_actor is not None and cpus * cfg.concurrency > total - 1.0:
         log.warning("the actors declare %.2f of the cluster's %.0f CPUs; Ray Data's file listing "
                     "needs one free CPU, so the job may stall", cpus * cfg.concurrency, total)
+    check_room_for_reads(total, cpus, local)
     actors = _actors_that_fit(cfg.concurrency, cpus)
     if actors < cfg.concurrency:
         log.warning("the cluster has room for %d of %d engine actors now (%.2f CPUs each, one CPU "
@@ -677,6 +686,23 @@ def check_actor_cpus(cpus: float, largest_node_cpus: float) -> None:
         raise ValueError(f"num_cpus_per_actor={cpus:g}, but the largest node of the Ray cluster "
                          f"has {largest_node_cpus:g} CPUs: no engine actor could start. Use at "
                          f"most {largest_node_cpus:g}")
+
+
+def check_room_for_reads(total_cpus: float, actor_cpus: float, local: bool) -> None:
+    """Ray Data's repartition and file listing take a whole CPU beside the engine actors: with less
+    than that left after one actor the pipeline waits forever (a 1-CPU machine by default: the
+    actor takes 0.25, 0.75 is left). A local Ray cannot grow: refuse; a cluster may add nodes:
+    warn."""
+    if total_cpus <= 0 or total_cpus - actor_cpus >= 1.0 - 1e-9:
+        return
+    msg = (f"the Ray cluster has {total_cpus:g} CPUs; an engine actor declares {actor_cpus:g} and "
+           f"Ray Data's reads and repartition need one whole CPU beside it, so the job could not "
+           f"run")
+    if local:
+        raise ValueError(f"{msg}: give the local Ray at least {math.ceil(actor_cpus + 1.0)} CPUs "
+                         "(--num-cpus; a 1-CPU machine cannot run a batch job) or lower "
+                         "--num-cpus-per-actor")
+    log.warning("%s until the cluster grows (an autoscaler may add a node)", msg)
 
 
 def engine_actor_options(engine: EngineConfig) -> dict:

@@ -88,6 +88,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from dart_ray.bench.prompts import load_prompts
     from dart_ray.bench.runner import format_table, plot_report, run_bench, write_report
 
+    if a.plot and missing_modules(["matplotlib"]):     # found after the run otherwise
+        raise ValueError("--plot needs matplotlib: pip install 'dart-ray[bench]'")
     given = engine_args(a)
     fixed = sorted(k for k in BENCH_FIXED if k in given)
     if fixed:
@@ -149,16 +151,37 @@ def cmd_prompts(a: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(module: str, func: str, argv: list[str]) -> int:
+EXTRAS = {"serve": ("serve", ("ray.serve", "prometheus_client")),
+          "tune": ("tune", ("ray.tune", "optuna")),
+          "batch": ("batch", ("ray.data",))}
+"""Command -> (the pyproject extra it needs, modules that extra provides): checked before the
+command runs (they are imported lazily, deep inside it)."""
+
+
+def missing_modules(modules) -> list[str]:
+    import importlib.util
+
+    out = []
+    for m in modules:
+        try:
+            found = importlib.util.find_spec(m) is not None
+        except ModuleNotFoundError:          # its parent package is missing
+            found = False
+        if not found:
+            out.append(m)
+    return out
+
+
+def _delegate(cmd: str, module: str, func: str, argv: list[str]) -> int:
     import importlib
 
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        print(f"error: {module} is unavailable ({e}); install the extras: pip install "
-              "'dart-ray[serve,tune]'",
-              file=sys.stderr)
+    extra, needs = EXTRAS.get(cmd, (None, ()))
+    missing = missing_modules(needs)
+    if missing:
+        print(f"dart-ray {cmd}: error: {', '.join(missing)} not installed; install the extra: "
+              f"pip install 'dart-ray[{extra}]'", file=sys.stderr)
         return 2
+    mod = importlib.import_module(module)
     return getattr(mod, func)(argv)
 
 
@@ -244,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     if argv and argv[0] in DELEGATED:
         module, func = DELEGATED[argv[0]]
-        return _delegate(module, func, argv[1:])
+        return _delegate(argv[0], module, func, argv[1:])
     a = build_parser().parse_args(argv)
     if getattr(a, "num_threads", None):
         import torch

@@ -33,12 +33,17 @@ class IncrementalDetokenizer:
         emitted while its decode ended in a split character."""
         self.text = ""
 
+    def _decode(self, ids: list[int]) -> str:
+        # no clean-up: it rewrites text before the window's end (" ," -> ","; a BERT/GPT-2 style
+        # tokenizer, or transformers 4.x's converted ones, turn it on), so deltas would drop text
+        return self.tok.decode(ids, skip_special_tokens=self.skip,
+                               clean_up_tokenization_spaces=False)
+
     def push(self, new_ids: list[int]) -> str:
         """Append token ids; return the newly readable text (possibly empty)."""
         self.ids.extend(new_ids)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset],
-                                 skip_special_tokens=self.skip)
-        full = self.tok.decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
         start = len(prefix) + self.window_emitted
         if full.endswith("\ufffd"):
             # a split character at the end: emit what precedes it, keep the window where it is
@@ -139,4 +144,4 @@ class RequestText:
         """Characters readable from the first ``n`` ids (a split UTF-8 character is not there
         yet)."""
         d = self.detok
-        return len(d.tok.decode(d.ids[:n], skip_special_tokens=d.skip).rstrip("\ufffd"))
+        return len(d._decode(d.ids[:n]).rstrip("\ufffd"))

@@ -106,7 +106,12 @@ def _cached_conversion(gguf: Path) -> Path | None:
 
 def _gguf_cache_dir(gguf: Path) -> Path:
     st = gguf.stat()
-    ident = f"v{CONVERSION_VERSION}|{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    import transformers
+
+    # the converted tokenizer's files are read only by the transformers major that wrote them
+    major = transformers.__version__.split(".")[0]
+    ident = (f"v{CONVERSION_VERSION}|tf{major}|{gguf.resolve()}|{st.st_size}|"
+             f"{st.st_mtime_ns}")
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return cache_root() / "gguf" / f"{gguf.stem}-{key}"
 

@@ -45,7 +45,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -71,6 +71,9 @@ from dart_ray.training.objectives import (
 )
 from dart_ray.training.teacher_cache import TeacherCache, seq_key, teacher_fields
 from dart_ray.training.vocab import choose_draft_vocab, coverage, revocab_head, target_to_draft
+
+if TYPE_CHECKING:          # typing.Self is Python 3.11+; requires-python is 3.10
+    from typing import Self
 
 ARCHS = objective_names()
 """Training objectives (``--arch``), from the method registry (:mod:`dart_ray.methods`); each is

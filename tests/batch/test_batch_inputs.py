@@ -21,6 +21,7 @@ from batch.job import (
     _prepare,
     check_actor_cpus,
     check_committed_prompts,
+    check_room_for_reads,
     engine_failure,
 )
 from batch.store import CorruptPartError
@@ -308,3 +309,18 @@ def test_an_actor_larger_than_every_node_is_refused():
     check_actor_cpus(2.0, 2.0)
     with pytest.raises(ValueError, match="largest node of the Ray cluster has 2 CPUs"):
         check_actor_cpus(3.0, 2.0)
+
+
+# ---- 10. no CPU left for the reads -------------------------------------------------------------
+def test_a_local_ray_without_a_cpu_for_the_reads_is_refused(caplog):
+    """On one CPU the actor took 0.25 and Ray Data's repartition, which needs a whole CPU, waited
+    forever with no word (about 45 min of stall guards by default)."""
+    with pytest.raises(ValueError, match="at least 2 CPUs"):
+        check_room_for_reads(1.0, 0.25, local=True)
+    with pytest.raises(ValueError, match="--num-cpus-per-actor"):
+        check_room_for_reads(2.0, 1.5, local=True)
+    check_room_for_reads(2.0, 1.0, local=True)          # one CPU left: runs
+    check_room_for_reads(0.0, 0.25, local=False)        # no CPU node yet: an autoscaler may add one
+    with caplog.at_level("WARNING"):
+        check_room_for_reads(1.0, 0.25, local=False)    # a cluster may grow: warned, not refused
+    assert "until the cluster grows" in caplog.text

@@ -18,6 +18,11 @@ def test_cluster_yaml_validates_with_ray():
     assert full["head_node_type"] in full["available_node_types"]
     assert any("make setup" in c for c in full["setup_commands"])
     assert "--dashboard-host=127.0.0.1" in " ".join(full["head_start_ray_commands"])
+    # the head's autoscaler loads the AWS node provider from the venv Ray starts from: without
+    # boto3 there it cannot launch a worker, and the head runs nothing itself (--num-cpus=0)
+    assert full["provider"]["type"] == "aws"
+    assert any("boto3" in c and ".venv/bin/python -m pip install" in c
+               for c in full["head_setup_commands"])
 
 
 def test_cluster_yaml_rejects_a_broken_copy():

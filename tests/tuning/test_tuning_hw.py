@@ -535,8 +535,8 @@ def test_start_tune_checks_prompts_first_and_tunes_around_the_given_knobs(tiny_m
     DecodingConfig()): it is now the default point and the untuned knobs."""
     import ray
 
-    from tuning.start import Deadline, start_tune
     from tuning.settings import TuneSettings
+    from tuning.start import Deadline, start_tune
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 1.0})
     knobs = DecodingConfig(tree_budget=12, eps=1e-3)
