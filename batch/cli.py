@@ -47,8 +47,9 @@ def add_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     e = add_engine_args(p, title="engine (as in `dart-ray generate`)", method="auto", help={
         "num_threads": "torch threads per actor (default: floor of --num-cpus-per-actor)",
-        "max_batch_size": "rows an engine decodes together (default 8; 1: bf16 greedy outputs "
-                          "equal `dart-ray generate` bit for bit; fp32 equals them at any size)"})
+        "max_batch_size": "rows an engine decodes together (default 8; 1 with --no-adaptive: "
+                          "bf16 greedy outputs equal `dart-ray generate --no-adaptive` bit for "
+                          "bit; fp32 equals them at any size)"})
     e.add_argument("--profile", default=None, help="decoding profile (name or YAML path)")
     r = p.add_argument_group("ray")
     r.add_argument("--concurrency", type=int, default=1, help="engine actors")

@@ -23,9 +23,11 @@ retried.
 Valid prompts are tokenised once, checked with the engine's own ``check_prompt`` (``generate`` of a
 list is all or nothing), then decoded together by ``Engine.generate`` (continuous batching, up to
 ``max_batch_size`` rows at a time). Greedy outputs equal a single-prompt ``Engine.generate``
-(what ``dart-ray generate`` runs) exactly in fp32; in bf16, rows decoded together can round
-differently and part ways at a near-tie (the engine is not batch-invariant in bf16), so use
-``max_batch_size=1`` when bf16 outputs must match single requests bit for bit.
+(what ``dart-ray generate`` runs) exactly in fp32. In bf16 the logits depend on the verify
+forward's shape: rows decoded together round differently, and the adaptive controller's tree
+sizes depend on what it measured on the rows an actor decoded before, so a row can part ways at a
+near-tie (also between a resumed and an uninterrupted job). bf16 outputs match single requests
+bit for bit only with ``max_batch_size=1`` and ``adaptive=False`` on both sides.
 With ``seed`` set, row r samples with seed ``row_seed(seed, id_r)``; sampling is position-keyed
 (:mod:`dart_ray.verify.randomness`), so sampled outputs do not depend on how rows were batched,
 on the tree sizes the adaptive controller chose or on a resume (in bf16 with the caveat above).

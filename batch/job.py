@@ -361,6 +361,30 @@ def _concat(tables: list[pa.Table], files: list[str]) -> pa.Table:
                          f"each column one type in every file") from e
 
 
+def _check_prompt_types(files: list[str], fmt: str, json_tables: list[pa.Table] | None,
+                        column: str) -> None:
+    """Files whose prompt columns hold different kinds of values (strings in one, numbers in
+    another) cannot be read as one dataset (Ray Data fails to unify them, with a traceback):
+    refuse, naming them. string/large_string/dictionary-of-string are one kind; an all-null
+    column goes with anything."""
+    if json_tables is not None:
+        types = [t.schema.field(column).type for t in json_tables]
+    else:
+        types = [pq.read_schema(f).field(column).type for f in files]
+    kinds: dict[str, str] = {}
+    for f, t in zip(files, types, strict=True):
+        if pa.types.is_dictionary(t):
+            t = t.value_type
+        if pa.types.is_null(t):
+            continue
+        kind = "string" if pa.types.is_string(t) or pa.types.is_large_string(t) else str(t)
+        kinds.setdefault(kind, f)
+    if len(kinds) > 1:
+        raise ValueError(f"input files disagree on the prompt column {column!r}: "
+                         + " but ".join(f"{k} in {f}" for k, f in kinds.items())
+                         + "; give prompts one type (strings) in every file")
+
+
 def _has_column(schemas: list[list[str]], column: str) -> bool:
     """Whether every input file has ``column`` (an error if only some do)."""
     present = [column in names for names in schemas]
@@ -369,7 +393,37 @@ def _has_column(schemas: list[list[str]], column: str) -> bool:
     return all(present)
 
 
+ID_KINDS = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_string,
+            pa.types.is_temporal, pa.types.is_boolean, pa.types.is_floating)
+"""Id column types a job takes (scalars arrow can hash and compare)."""
+
+
+def ids_as_committed(ids: pa.Array, committed: pa.DataType) -> pa.Array:
+    """The input's ids in the committed parts' id type, so this run's parts match them: another
+    integer width (a file re-saved by pandas turns int32 into int64) or string/large_string, when
+    every id converts without loss. Any other change is a ValueError before anything runs (the
+    new parts would disagree with the old ones and no later run could read the output)."""
+    if ids.type == committed:
+        return ids
+    same_kind = ((pa.types.is_integer(ids.type) and pa.types.is_integer(committed))
+                 or ({pa.types.is_string(t) or pa.types.is_large_string(t)
+                      for t in (ids.type, committed)} == {True}))
+    if same_kind:
+        try:
+            cast = ids.cast(committed)            # safe: an overflow raises
+            if cast.cast(ids.type).equals(ids):
+                return cast
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass
+    raise ValueError(f"the input's ids are {ids.type}, the committed parts' ids {committed}, and "
+                     "they do not convert without loss: write the ids as before, or use a new "
+                     "--output")
+
+
 def check_unique_ids(ids: pa.Array) -> None:
+    if not any(kind(ids.type) for kind in ID_KINDS):
+        raise ValueError(f"the id column has type {ids.type}; ids must be integers, strings, "
+                         "timestamps/dates, booleans or floats")
     nulls = ids.null_count
     if nulls:
         raise DuplicateIdError(f"{nulls} input rows have a null id")
@@ -472,6 +526,7 @@ def _load_input(cfg: BatchJobConfig) -> _Input:
             return [t.select(cols) for t in json_tables]
     if not _has_column(schemas, cfg.prompt_column):
         raise ValueError(f"input has no prompt column {cfg.prompt_column!r}")
+    _check_prompt_types(files, fmt, json_tables, cfg.prompt_column)
     file_rows = None
     if _has_column(schemas, cfg.id_column):
         ids = _concat(read([cfg.id_column]), files).column(0).combine_chunks()
@@ -547,6 +602,7 @@ def run_batch_job(cfg: BatchJobConfig, ray_init: dict | None = None) -> JobSumma
             log.info("deleted %d half-written part(s) of an earlier run", stale)
         committed = store.committed_ids(cfg.id_column, required)
         if committed is not None:
+            inp.ids = ids_as_committed(inp.ids, committed.type)
             check_committed_prompts(store, cfg, inp)
         unfinished = _unfinished_attempts(store, cfg.id_column, committed)
         store.clear_attempts()

@@ -324,3 +324,69 @@ def test_a_local_ray_without_a_cpu_for_the_reads_is_refused(caplog):
     with caplog.at_level("WARNING"):
         check_room_for_reads(1.0, 0.25, local=False)    # a cluster may grow: warned, not refused
     assert "until the cluster grows" in caplog.text
+
+
+# ---- 11. the input's types ----------------------------------------------------------------------
+def test_ids_of_another_width_resume_in_the_committed_type(tmp_path, monkeypatch):
+    """A file re-saved by pandas (int32 -> int64): the new run committed int64 parts beside the
+    int32 ones, then failed, and every later run refused the output ("disagree on the id type").
+    Now the ids take the committed type when they convert without loss; otherwise nothing runs."""
+    import batch.job as job
+
+    v1, v2 = tmp_path / "v1.parquet", tmp_path / "v2.parquet"
+    pq.write_table(pa.table({"id": pa.array([1, 2], pa.int32()), "prompt": ["a", "b"]}), v1)
+    pq.write_table(pa.table({"id": pa.array([1, 2, 3], pa.int64()),
+                             "prompt": ["a", "b", "c"]}), v2)
+    out = str(tmp_path / "out")
+    _first_run(BatchJobConfig(input=str(v1), output=out), [1, 2], ["a", "b"])
+    seen = []
+
+    def pipeline(cfg, store, inp, done, *args):
+        seen.append((inp.ids.type, done.type))
+        assert done.to_pylist() == [1, 2]
+        _commit(store, [3], ["c"], inp.ids.type)
+
+    monkeypatch.setattr(job, "_run_pipeline", pipeline)
+    summary = run_batch_job(BatchJobConfig(input=str(v2), output=out, progress=False))
+    assert seen == [(pa.int32(), pa.int32())] and summary.ok and summary.already_done == 2
+    assert OutputStore(out).committed_ids("id").type == pa.int32()
+    assert run_batch_job(BatchJobConfig(input=str(v2), output=out, progress=False)).ok
+    # ids that do not fit the committed type, or another kind of id: refused before any work
+    v3 = tmp_path / "v3.parquet"
+    pq.write_table(pa.table({"id": pa.array([1, 2, 2**40], pa.int64()),
+                             "prompt": ["a", "b", "c"]}), v3)
+    with pytest.raises(ValueError, match="do not convert without loss"):
+        run_batch_job(BatchJobConfig(input=str(v3), output=out, progress=False, force=True))
+    v4 = tmp_path / "v4.parquet"
+    pq.write_table(pa.table({"id": ["1", "2", "3"], "prompt": ["a", "b", "c"]}), v4)
+    with pytest.raises(ValueError, match="int32"):
+        run_batch_job(BatchJobConfig(input=str(v4), output=out, progress=False, force=True))
+    assert len(seen) == 1
+
+
+def test_prompt_columns_of_different_kinds_and_unhashable_ids_are_refused(tmp_path):
+    d = tmp_path / "mixed"
+    d.mkdir()
+    pq.write_table(pa.table({"id": [1], "prompt": [5]}), d / "a.parquet")
+    pq.write_table(pa.table({"id": [2], "prompt": ["text"]}), d / "b.parquet")
+    with pytest.raises(ValueError, match=r"prompt column 'prompt': int64 in .*a.parquet but "
+                                         r"string in .*b.parquet"):
+        _load_input(BatchJobConfig(input=str(d), output=str(tmp_path / "o")))
+    j = tmp_path / "mixed_jsonl"
+    j.mkdir()
+    (j / "a.jsonl").write_text('{"id": 1, "prompt": 5}\n')
+    (j / "b.jsonl").write_text('{"id": 2, "prompt": "text"}\n')
+    with pytest.raises(ValueError, match="disagree on the prompt column"):
+        _load_input(BatchJobConfig(input=str(j), output=str(tmp_path / "o")))
+    ok = tmp_path / "ok"        # large_string, dictionary and all-null columns go with strings
+    ok.mkdir()
+    pq.write_table(pa.table({"id": [1], "prompt": pa.array(["x"], pa.large_string())}),
+                   ok / "a.parquet")
+    pq.write_table(pa.table({"id": [2], "prompt": pa.array(["y"]).dictionary_encode()}),
+                   ok / "b.parquet")
+    pq.write_table(pa.table({"id": [3], "prompt": pa.nulls(1)}), ok / "c.parquet")
+    assert len(_load_input(BatchJobConfig(input=str(ok), output=str(tmp_path / "o"))).ids) == 3
+    lst = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"id": [[1], [2]], "prompt": ["a", "b"]}), lst)
+    with pytest.raises(ValueError, match="ids must be integers, strings"):
+        _load_input(BatchJobConfig(input=str(lst), output=str(tmp_path / "o")))
