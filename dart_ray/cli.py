@@ -104,8 +104,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.profile:
         decoding = _bench_profile(a.profile, a.batch_size, cfg)
     drafters = _method_map(a.drafter_for, "--drafter-for")
-    decodings = {m: _bench_profile(prof, a.batch_size, cfg)
-                 for m, prof in _method_map(a.profile_for, "--profile-for").items()}
+    profile_for = _method_map(a.profile_for, "--profile-for")
+    for prof in profile_for.values():
+        refuse_profile_over_decoding(prof, cfg.decoding)
+    decodings = {m: _bench_profile(prof, a.batch_size, cfg) for m, prof in profile_for.items()}
     report = run_bench(prompts, a.methods.split(","), model=cfg.model, drafter=cfg.drafter,
                        ngram=cfg.ngram, chat=a.chat, max_new_tokens=a.max_new_tokens,
                        batch_size=a.batch_size, dtype=cfg.dtype, threads=cfg.num_threads,
@@ -237,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafter directory of one method (repeatable; default: shipped)")
     b.add_argument("--profile-for", action="append", metavar="METHOD=PROFILE",
                    help="decoding profile of one method (repeatable; default: --profile, else "
-                        "defaults)")
+                        "--decoding, else defaults)")
     add_engine_args(b, help={"method": "not used (--methods lists what runs)"})
     _add_profile_arg(b)
     b.set_defaults(func=cmd_bench)

@@ -30,6 +30,9 @@ from typing import Any
 from dart_ray import METHODS
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = frozenset(("role", "content", "name", "tool_calls", "function_call",
+                          "tool_call_id"))
+"""Fields of a chat message this server reads (the tool ones only to refuse them)."""
 
 
 class APIError(Exception):
@@ -230,7 +233,7 @@ _KEYS = {
 }
 _NO_EFFECT_KEYS = frozenset((
     "user", "metadata", "store", "service_tier", "request_id", "cache_salt", "safety_identifier",
-    "prompt_cache_key",
+    "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
 ))
 """Accepted and not used: bookkeeping that does not change the output."""
 _NEUTRAL = {
@@ -259,6 +262,17 @@ _CHAT_TEMPLATE_NEUTRAL = {
 """vLLM's chat-template fields: the template is always applied with the generation prompt."""
 
 
+def _same_value(v, default) -> bool:
+    """``v`` is ``default``: numbers by value (0.0 is 0), but a bool only equals a bool (1 is not
+    True), and containers by type and content."""
+    numbers = (int, float)
+    if isinstance(v, bool) or isinstance(default, bool):
+        return type(v) is type(default) and v == default
+    if isinstance(v, numbers) and isinstance(default, numbers):
+        return v == default
+    return type(v) is type(default) and v == default
+
+
 def _check_keys(body: dict, kind: str) -> None:
     neutral = _NEUTRAL if kind == "completion" else {**_NEUTRAL, **_CHAT_TEMPLATE_NEUTRAL}
     for key, v in body.items():
@@ -267,8 +281,7 @@ def _check_keys(body: dict, kind: str) -> None:
         if key not in neutral:
             raise bad(f"Unrecognized request argument supplied: {key}", key,
                       "unknown_parameter")
-        # == on bool/int/float would make 1 match True: compare types too
-        if v is not None and not any(type(v) is type(n) and v == n for n in neutral[key]):
+        if v is not None and not any(_same_value(v, n) for n in neutral[key]):
             raise bad(f"'{key}' is not supported (only its default is accepted)", key,
                       "unsupported_value")
 
@@ -327,7 +340,9 @@ def _common(body: dict, kind: str, prompt, chat: bool, max_tokens: int | None) -
             raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
         if not stream:
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-        unknown = sorted(set(so) - {"include_usage", "continuous_usage_stats"})
+        # include_obfuscation only pads the chunks OpenAI sends (nothing to pad here)
+        unknown = sorted(set(so) - {"include_usage", "continuous_usage_stats",
+                                    "include_obfuscation"})
         if unknown:
             raise bad(f"'stream_options' has unknown keys {unknown}", "stream_options",
                       "unknown_parameter")
@@ -425,8 +440,20 @@ def parse_chat(body: dict) -> GenerationRequest:
             # their ids and calls would be dropped by the chat template: refuse, not ignore
             raise bad(f"messages[{i}]: tool messages and tool calls are not supported (tool "
                       "calling is not supported)", f"messages[{i}]", "unsupported_value")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _message_content(m, i)})
+        # an assistant message echoed back from a response carries refusal/annotations/audio as
+        # null or []: empty fields are what they would be absent; anything else is refused
+        extra = sorted(k for k in set(m) - MESSAGE_KEYS if m[k] not in (None, [], {}, ""))
+        if extra:
+            raise bad(f"messages[{i}] has fields this server does not support: {extra} (it "
+                      f"takes {sorted(MESSAGE_KEYS)})", f"messages[{i}]", "unknown_parameter")
+        msg = {"role": "system" if role == "developer" else role,
+               "content": _message_content(m, i)}
+        if m.get("name") is not None:       # the chat template decides what a name shows
+            if not isinstance(m["name"], str):
+                raise bad(f"messages[{i}].name must be a string", f"messages[{i}].name",
+                          "invalid_type")
+            msg["name"] = m["name"]
+        out.append(msg)
     return _common(body, "chat", out, True, _max_tokens(body, None))
 
 

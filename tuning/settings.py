@@ -133,8 +133,9 @@ class TuneSettings:
             raise ValueError("p95 bounds must be > 0")
         if self.load_probe_tokens < 0 or not 0.0 < self.load_threshold < 1.0:
             raise ValueError("load probe tokens must be >= 0 and the load threshold in (0, 1)")
-        if self.check_dtype is not None and self.check_dtype not in DTYPES:
-            raise ValueError(f"check dtype must be one of {list(DTYPES)} or 'same', got "
+        concrete = [d for d in DTYPES if d != "auto"]      # the check's dtype is not measured
+        if self.check_dtype is not None and self.check_dtype not in concrete:
+            raise ValueError(f"check dtype must be one of {concrete} or 'same', got "
                              f"{self.check_dtype!r}")
         if self.prompts_per_trial is not None and self.prompts_per_trial < 1:
             raise ValueError(f"prompts per trial must be >= 1, got {self.prompts_per_trial}")

@@ -243,10 +243,10 @@ def divergence_gaps(model, prompt_ids: list[list[int]], ref: list[list[int]],
     negative when this forward prefers the other run's token). None where one output is a prefix of
     the other (a length cut, not a token choice).
 
-    ``sampling`` (position-keyed, every prompt with its seed): the distance between the position's
-    uniform and the nearer edge of the other token's CDF interval in this forward's processed
-    distribution -- near 0 (the bf16 rounding of the probabilities) when the runs split at a CDF
-    boundary, up to ~1 for a wrong token."""
+    ``sampling`` (position-keyed, every prompt with its seed): the same gap in the position's
+    exponential race, ``log(p/E)[ref token] - log(p/E)[other token]`` in this forward's processed
+    distribution -- near 0 (the bf16 rounding of the probabilities) when the runs split on a
+    near-tie of the race, whole units for a wrong token."""
     from dart_ray.masks import attention_mask, causal_ancestors
     from dart_ray.verify import RequestRandom, processed_probs
 
@@ -272,10 +272,9 @@ def divergence_gaps(model, prompt_ids: list[list[int]], ref: list[list[int]],
             gaps.append(float(logits[a[j]] - logits[b[j]]))
             continue
         probs = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        cdf = probs.double().cumsum(0)                                     # [V]
-        u = RequestRandom(sampling.seed).uniform(j) * float(cdf[-1])
-        lo, hi = (float(cdf[b[j] - 1]) if b[j] > 0 else 0.0), float(cdf[b[j]])
-        gaps.append(0.0 if lo <= u < hi else min(abs(u - lo), abs(u - hi)))
+        exps = RequestRandom(sampling.seed).exponentials(j, probs.shape[-1], dev)   # [V]
+        score = probs.log() - exps.log()                                   # [V] log(p / E)
+        gaps.append(float(score[a[j]] - score[b[j]]))
     return gaps
 
 

@@ -7,6 +7,7 @@ method registry (:mod:`dart_ray.methods`); this factory has no per-method branch
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from dart_ray.drafters.base import BatchView, Drafter, NoDrafter
@@ -31,7 +32,26 @@ def _load_ngram(config, target):
     path = Path(config.ngram) if config.ngram else default_artifact_dir(target.model_id) / "ngram"
     if config.ngram is None and not path.is_dir():
         return None  # nothing shipped for this target: tree search runs without the N-gram term
-    return NGramModel.load(path)
+    model = NGramModel.load(path)
+    check_ngram_target(model, target, path)
+    return model
+
+
+def check_ngram_target(model, target, path) -> None:
+    """An N-gram model counts token ids of one tokenizer: one over a larger vocabulary than the
+    target's proposes ids the target cannot embed (every step then failed with an IndexError):
+    refused. One built for another target (``meta.target``) is allowed -- fine-tunes share their
+    tokenizer -- with a warning."""
+    V = int(target.args.vocab_size)
+    if model.vocab_size > V:
+        raise ValueError(f"N-gram model {path} counts a vocabulary of {model.vocab_size} tokens; "
+                         f"the target {target.model_id} has {V}: it was built for another "
+                         "tokenizer (dart-ray build-ngram makes one for this target)")
+    built_for = model.meta.get("target")
+    if built_for and built_for != target.model_id:
+        warnings.warn(f"N-gram model {path} was built for {built_for}, the target is "
+                      f"{target.model_id}: its counts help only if they share the tokenizer",
+                      stacklevel=2)
 
 
 def drafter_dir(spec: MethodSpec, drafter: str | None, model_id: str) -> Path:

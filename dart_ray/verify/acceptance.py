@@ -44,7 +44,7 @@ import torch
 from dart_ray.config import SamplingParams
 from dart_ray.tree.tree import TokenTree
 from dart_ray.verify.logits import NodeLogits, internal_nodes
-from dart_ray.verify.randomness import RequestRandom
+from dart_ray.verify.randomness import RequestRandom, race
 
 __all__ = ["Acceptance", "accept", "greedy_accept", "processed_probs", "sample_accept"]
 
@@ -288,7 +288,8 @@ def sample_accept(
     ``positions[b]``: the output position of the token after row b's root (default 0).
 
     Deterministic drafts: walking down from the root, the target draws the token at each position
-    by inverting its processed CDF at ``randoms[b].uniform(position)``; the child carrying that
+    by the exponential race of ``randoms[b].exponentials(position, V)`` over its processed
+    distribution (:func:`~dart_ray.verify.randomness.race`); the child carrying that
     token is accepted (the first one, if siblings repeat a token), and where no child does, the
     drawn token is the bonus. Each emitted token is the target's sample given its prefix, and the
     one plain sampling draws at that position with the same seed, whatever the tree was.
@@ -333,8 +334,10 @@ def sample_accept(
         rows = torch.tensor(active, dtype=torch.long, device=dev)
         nodes = torch.tensor([paths[b][-1] for b in active], dtype=torch.long, device=dev)
         probs = processed_probs(nl.at(rows, nodes), *_row_params(params, rows))   # [n, V]
-        u = [randoms[b].uniform(positions[b] + level) for b in active]
-        drawn = _draw(probs, probs, u).tolist()                                    # [n]
+        V = probs.shape[-1]
+        exps = torch.stack([randoms[b].exponentials(positions[b] + level, V, dev)
+                            for b in active])                                    # [n, V]
+        drawn = race(probs, exps).tolist()                                         # [n]
         still = []
         for b, x in zip(active, drawn, strict=True):
             child = kids[b].get(paths[b][-1], {}).get(x, -1)

@@ -1,14 +1,19 @@
 """A sampled request's randomness, keyed by output position.
 
-Sampling draws the token at output position ``k`` (0 = the first generated token) by inverting the
-target's processed CDF at one uniform ``u(seed, k)``. The uniform is a hash of the request's seed
-and the position (SplitMix64's finaliser), not the next number of a stream, so it does not depend
-on how many draft nodes a step tried, how large the tree was, which method drafted, or which other
-requests shared the batch. Hence, for a request with a seed:
+Sampling draws the token at output position ``k`` (0 = the first generated token) by an
+exponential race: every vocabulary entry i gets an Exp(1) variate ``E_i(seed, k)`` and the token is
+``argmax_i p_i / E_i``, which is i with probability ``p_i / sum p`` (the Gumbel-max trick in another
+form). The variates come from a generator seeded with a hash of the request's seed and the position
+(SplitMix64's finaliser), not from the next numbers of a stream, so they do not depend on how many
+draft nodes a step tried, how large the tree was, which method drafted, or which other requests
+shared the batch. Hence, for a request with a seed:
 
 * its output is reproducible whatever the batch, the tree schedule (adaptive or not) and the
   method -- speculative decoding with any drafter emits the tokens plain sampling emits with the
-  same seed (up to floating-point differences between the forwards at a CDF boundary);
+  same seed. Floating-point differences between forwards of other shapes move the drawn token
+  only where the two best ``p_i / E_i`` nearly tie, as rare as a greedy near-tie. (The inverse CDF
+  the race replaced flipped far more often: a token's interval there sits on the sum of every
+  probability before it in vocabulary order, so rounding anywhere below it moved its edges.)
 * verification stays exact: a draft node is accepted iff its token is the one the target draws at
   that position, so every emitted token is exactly the target's sample given its prefix.
 
@@ -49,12 +54,23 @@ class RequestRandom:
         self._generator: torch.Generator | None = None
         self._device = device
 
-    def uniform(self, position: int) -> float:
-        """The uniform in [0, 1) of output position ``position``."""
+    def _position_key(self, position: int) -> int:
         if position < 0:
             raise ValueError(f"position {position} < 0")
-        z = _mix((self._key + ((position << 8) + 1) * _GOLDEN) & _M64)
-        return (z >> 11) * (1.0 / (1 << 53))
+        return _mix((self._key + ((position << 8) + 1) * _GOLDEN) & _M64)
+
+    def uniform(self, position: int) -> float:
+        """A uniform in [0, 1) keyed by output position ``position``."""
+        return (self._position_key(position) >> 11) * (1.0 / (1 << 53))
+
+    def exponentials(self, position: int, n: int, device: torch.device | str = "cpu"
+                     ) -> torch.Tensor:
+        """``[n]`` float32 Exp(1) variates of output position ``position``, one per vocabulary
+        entry: the race that draws the position's token (:func:`race`). The same for a position
+        whatever else happened (a generator seeded with the position's key, on ``device``)."""
+        g = torch.Generator(device=device)
+        g.manual_seed(self._position_key(position) >> 1)          # 63 bits
+        return torch.rand(n, generator=g, device=device).log_().neg_()
 
     @property
     def generator(self) -> torch.Generator:
@@ -63,3 +79,10 @@ class RequestRandom:
             self._generator = torch.Generator(device=self._device)
             self._generator.manual_seed(self.seed & ((1 << 63) - 1))
         return self._generator
+
+
+def race(probs: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    """``[B, V]`` (unnormalised) probabilities and ``[B, V]`` Exp(1) variates -> ``[B]`` tokens:
+    ``argmax p_i / E_i``, i.e. token i with probability ``p_i / sum p`` (entries with p = 0 never
+    win)."""
+    return (probs.float() / exps).argmax(dim=-1)

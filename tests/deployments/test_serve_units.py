@@ -245,6 +245,21 @@ def test_fields_the_server_does_not_honour_are_refused_not_ignored():
     assert parse_chat({"messages": [{"role": "user", "content": "x"},
                                     {"role": "assistant", "content": None},
                                     {"role": "user", "content": "y"}]}).prompt[1]["content"] == ""
+    # what clients send: numbers by value, openai's stream_options and prompt-cache fields,
+    # an assistant message echoed back with its empty fields; a message's name reaches the template
+    assert parse_chat({**user, "min_tokens": 0.0, "priority": 0.0, "prompt_cache_retention": "24h",
+                       "stream": True, "stream_options": {"include_usage": True,
+                                                          "include_obfuscation": False}}).stream
+    assert _err(parse_chat, {**user, "use_beam_search": 0}).param == "use_beam_search"  # not False
+    r = parse_chat({"messages": [{"role": "user", "content": "x", "name": "bob"},
+                                 {"role": "assistant", "content": "y", "refusal": None,
+                                  "annotations": [], "audio": None, "tool_calls": None}]})
+    assert r.prompt == [{"role": "user", "content": "x", "name": "bob"},
+                        {"role": "assistant", "content": "y"}]
+    e = _err(parse_chat, {"messages": [{"role": "user", "content": "x", "foo": 1}]})
+    assert (e.param, e.code) == ("messages[0]", "unknown_parameter") and "foo" in e.message
+    assert _err(parse_chat, {"messages": [{"role": "user", "content": "x", "name": 3}]}).code \
+        == "invalid_type"
     # BOS: vLLM's defaults (completions add the tokenizer's special tokens, chat does not)
     assert parse_completion({"prompt": "x"}).add_special_tokens
     assert not parse_chat(user).add_special_tokens
@@ -356,7 +371,10 @@ def test_cli_and_default_config():
     shipped = ServeArgs.from_dict(app["args"])  # the shipped args validate
     assert shipped.engine == EngineConfig()     # ... and are the engine defaults
     # CLI overrides (flat) go over the shipped file's engine block
-    assert ServeArgs.from_dict({**app["args"], **o}).engine.max_batch_size == 4
+    without_profile = {k: v for k, v in o.items() if k != "profile"}
+    assert ServeArgs.from_dict({**app["args"], **without_profile}).engine.max_batch_size == 4
+    with pytest.raises(ValueError, match="give one of them"):     # the profile would drop them
+        ServeArgs.from_dict({**app["args"], **o})
     assert cfg["http_options"]["host"] == "127.0.0.1"
 
 

@@ -455,8 +455,8 @@ def test_bench_samples_and_still_compares_with_ar(tiny_dirs):
     assert all(rep["methods"][m]["outputs_match_ar"] is True for m in ("ngram", "dart"))
     assert rep["config"]["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "seed": 5}
     assert "sampling temperature 0.8" in format_table(rep)
-    # at a divergence the bench measures how far the position's uniform is from the other
-    # token's CDF interval: 0 for the token AR sampled there (the same uniform), > 0 otherwise
+    # at a divergence the bench measures the two tokens' gap in the position's exponential race
+    # (log p/E): the token AR sampled there wins it, so the other's gap to it is negative
     from dart_ray.bench.runner import divergence_gaps
     from dart_ray.models import load_target
 
@@ -467,8 +467,9 @@ def test_bench_samples_and_still_compares_with_ar(tiny_dirs):
     ids = eng.encode_prompt(PROMPTS[0])
     a = eng.generate([ids], sp)[0].token_ids
     b = a[:5] + [(a[5] + 1) % target.args.vocab_size] + a[6:]
-    assert divergence_gaps(target.model, [ids], [b], [a], sp) == [0.0]
-    assert 0.0 < divergence_gaps(target.model, [ids], [a], [b], sp)[0] <= 1.0
+    gap = divergence_gaps(target.model, [ids], [b], [a], sp)[0]
+    assert gap < 0 and divergence_gaps(target.model, [ids], [a], [b], sp) == [-gap]
+    assert 0.0 < -gap < float("inf")        # log units: a wrong token is whole units away
     with pytest.raises(ValueError, match="greedy only"):
         run_bench(PROMPTS[:1], ["ar", "hf"], temperature=0.8, **kw)
 
@@ -640,6 +641,29 @@ def test_sampling_params_read_as_openai_and_name_bad_types():
                       ({"stop_token_ids": 5}, "stop_token_ids")):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
+
+
+def test_a_seeded_request_samples_the_same_alone_or_batched_over_a_long_flat_output(
+        tmp_path_factory, smollm_dir):
+    """fp32, a flat distribution (a tiny model's 49k-token vocabulary, T = 1, top_p 0.9): the
+    inverse-CDF draw the exponential race replaced put each token's interval on the sum of every
+    probability before it in vocabulary order, so the rounding of a batch-4 forward moved an edge
+    and plain decoding itself parted from the same request alone (prompts 1-3 at tokens 104, 137
+    and 69 with this model; `ngram` at batch 1 too, at 104)."""
+    from conftest import make_tiny_checkpoint
+
+    tiny = load_target(str(make_tiny_checkpoint(tmp_path_factory.mktemp("flat") / "qwen2", "qwen2",
+                                                smollm_dir, seed=0)), "fp32", max_seq_len=512)
+    prompts = ["Write a short story about a dragon.", "def quicksort(arr):", "The history of Rome",
+               "Explain photosynthesis to a child."]
+    sps = [SamplingParams(max_new_tokens=150, temperature=1.0, top_p=0.9, seed=100 + i,
+                          ignore_eos=True) for i in range(4)]
+    knobs = DecodingConfig(tree_budget=8, top_k=4, beam_width=4)
+    alone = [make_engine(tiny, "none", batch=1, adaptive=False).generate(p, sp)[0].token_ids
+             for p, sp in zip(prompts, sps, strict=True)]
+    for method, batch in (("none", 4), ("ngram", 1)):
+        eng = make_engine(tiny, method, batch=batch, decoding=knobs, adaptive=False)
+        assert [o.token_ids for o in eng.generate(prompts, sps)] == alone, method
 
 
 def test_a_top_k_past_the_vocabulary_samples_beside_others_as_no_top_k(tiny):

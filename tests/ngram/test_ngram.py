@@ -532,3 +532,23 @@ def test_build_ngram_cli_leaves_out_evaluation_prompts_and_reports_bad_input(tmp
                           "--text-column", "prompt", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "text column 'prompt' missing" in err and "Traceback" not in err
+
+
+def test_an_ngram_model_over_a_larger_vocabulary_than_the_target_is_refused(tmp_path):
+    """It proposed ids the target cannot embed: every step of every request failed with an
+    IndexError inside the target's embedding. Built for another target of the same vocabulary:
+    allowed, with a warning."""
+    from types import SimpleNamespace
+
+    from dart_ray.drafters import check_ngram_target
+
+    big = NGramModel.from_sequences([[1, 2, 3, 40000]], vocab_size=49152,
+                                    meta={"target": "SmolLM2-135M-Instruct"})
+    target = SimpleNamespace(args=SimpleNamespace(vocab_size=32000), model_id="llama-32k")
+    with pytest.raises(ValueError, match="vocabulary of 49152 tokens.*llama-32k has 32000"):
+        check_ngram_target(big, target, tmp_path)
+    same = SimpleNamespace(args=SimpleNamespace(vocab_size=49152), model_id="my-finetune")
+    with pytest.warns(UserWarning, match="built for SmolLM2-135M-Instruct"):
+        check_ngram_target(big, same, tmp_path)
+    small = NGramModel.from_sequences([[1, 2, 3]], vocab_size=16)
+    check_ngram_target(small, target, tmp_path)             # a smaller vocabulary is fine

@@ -141,8 +141,8 @@ def test_a_name_resolves_to_the_variant_tuned_on_this_cpu_class(tmp_path, monkey
     assert resolve_profile("code") == tmp_path / "code.yaml"
     save_profile(_schedule(dataclasses.replace(here, cpu_id="")), tmp_path / "code@here.yaml")
     assert resolve_profile("code") == tmp_path / "code@here.yaml"      # recorded without one
-    save_profile(_schedule(_fp()), tmp_path / "chat@x.yaml")             # only a variant
-    assert resolve_profile("chat") == tmp_path / "chat@x.yaml"
+    save_profile(_schedule(_fp()), tmp_path / "mine@x.yaml")             # only a variant
+    assert resolve_profile("mine") == tmp_path / "mine@x.yaml"
     assert resolve_profile(tmp_path / "code@other.yaml") == tmp_path / "code@other.yaml"
 
 
@@ -467,6 +467,7 @@ def test_tune_settings_refuse_what_would_fail_late_or_be_ignored(tmp_path):
                                "out": str(tmp_path / "w.yaml"), **kw})
 
     for kw, match in (({"check_dtype": "float32"}, "check dtype"),
+                      ({"check_dtype": "auto"}, "check dtype"),
                       ({"prompts_per_trial": 0}, "prompts per trial"),
                       ({"check_prompts": -1}, "check prompts"),
                       ({"check_tokens": 0}, "check tokens"),
@@ -526,6 +527,8 @@ def test_a_profile_and_decoding_knobs_together_are_refused(tmp_path):
     assert ServeArgs(engine=EngineConfig(), profile="code").profile == "code"
     for cmd in (["generate", "x"], ["bench", "--prompts", "chat"]):
         assert main([*cmd, "--profile", "code", "--decoding", '{"tree_budget": 12}']) == 2
+    assert main(["bench", "--prompts", "chat", "--methods", "dart", "--profile-for", "dart=code",
+                 "--decoding", '{"tree_budget": 12}']) == 2
 
 
 def test_start_tune_checks_prompts_first_and_tunes_around_the_given_knobs(tiny_model, tmp_path,

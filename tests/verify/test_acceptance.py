@@ -617,8 +617,8 @@ class _Remapped:
     def __init__(self, rand: RequestRandom, remap: Callable[[int], int]) -> None:
         self.rand, self.remap = rand, remap
 
-    def uniform(self, position: int) -> float:
-        return self.rand.uniform(self.remap(position))
+    def exponentials(self, position: int, n: int, device="cpu") -> torch.Tensor:
+        return self.rand.exponentials(self.remap(position), n, device)
 
 
 def _wrong_positions(kind: str) -> Sampler:
