@@ -151,8 +151,6 @@ class TuneSettings:
         out = self.out_path
         if out.is_dir():
             raise ValueError(f"--out {self.out} is a directory; name the profile YAML to write")
-        if out.suffix not in (".yaml", ".yml"):
-            raise ValueError(f"--out {self.out} must end in .yaml or .yml (a profile is YAML)")
         if self.storage is not None:
             from sqlalchemy.engine import make_url
             from sqlalchemy.exc import ArgumentError
