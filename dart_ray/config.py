@@ -271,13 +271,14 @@ class SamplingParams:
     """Keep only the k most likely tokens before sampling; 0 disables."""
 
     seed: int | None = None
-    """Seed of this request's randomness. The token at each output position is drawn with a
-    uniform keyed by (seed, position) (:mod:`dart_ray.verify.randomness`), so a seeded request's
+    """Seed of this request's randomness. The token at each output position is drawn by an
+    exponential race keyed by (seed, position) (:mod:`dart_ray.verify.randomness`), so a seeded
+    request's
     output is the same in any batch, under any tree schedule (adaptive or not) and with any
     method -- the one plain sampling with this seed gives -- except SpS, whose draft model samples
     its drafts from a sequential stream (reproducible for a fixed schedule only). In fp32: in
     bf16 the logits depend on the verify forward's shape, so another batch or tree size can flip
-    a token whose uniform lies near a boundary."""
+    a token at a near-tie of the race."""
 
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end the request (the tokenizer's EOS always does unless ignore_eos)."""

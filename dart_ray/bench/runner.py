@@ -90,7 +90,7 @@ def run_bench(prompts: list[str], methods: list[str], *, model: str | None = Non
 
     ``temperature`` > 0 benchmarks sampling (own-engine methods only) with ``seed`` for every
     prompt: sampling is position-keyed, so "matches ar" still compares token for token (fp32
-    exactly; bf16 up to near-boundary rounding, as for greedy near-ties).
+    exactly; bf16 up to near-ties of the race, as for greedy near-ties).
 
     ``drafter`` is the DART drafter; ``drafters`` maps other methods to their drafter directories
     (default: shipped). ``decoding`` applies to every own-engine method unless ``decodings`` gives
@@ -246,7 +246,8 @@ def divergence_gaps(model, prompt_ids: list[list[int]], ref: list[list[int]],
     ``sampling`` (position-keyed, every prompt with its seed): the same gap in the position's
     exponential race, ``log(p/E)[ref token] - log(p/E)[other token]`` in this forward's processed
     distribution -- near 0 (the bf16 rounding of the probabilities) when the runs split on a
-    near-tie of the race, whole units for a wrong token."""
+    near-tie of the race, whole units for a wrong token; None where either token is outside this
+    forward's top-k/top-p support (p = 0: no finite gap; in bf16 a rounding can move that edge)."""
     from dart_ray.masks import attention_mask, causal_ancestors
     from dart_ray.verify import RequestRandom, processed_probs
 
@@ -272,6 +273,9 @@ def divergence_gaps(model, prompt_ids: list[list[int]], ref: list[list[int]],
             gaps.append(float(logits[a[j]] - logits[b[j]]))
             continue
         probs = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        if float(probs[a[j]]) == 0.0 or float(probs[b[j]]) == 0.0:
+            gaps.append(None)      # outside this forward's top-k/top-p: no finite gap to report
+            continue
         exps = RequestRandom(sampling.seed).exponentials(j, probs.shape[-1], dev)   # [V]
         score = probs.log() - exps.log()                                   # [V] log(p / E)
         gaps.append(float(score[a[j]] - score[b[j]]))
@@ -306,8 +310,8 @@ def _sampling_note(sampling: dict | None) -> str:
     if not sampling or sampling.get("temperature", 0.0) < GREEDY_BELOW:
         return ""
     return (f"; sampling temperature {sampling['temperature']} top_p {sampling['top_p']} "
-            f"top_k {sampling['top_k']} seed {sampling['seed']} (max gap: the uniform's distance "
-            "to the other run's token's CDF interval at the first divergence)")
+            f"top_k {sampling['top_k']} seed {sampling['seed']} (max gap: the two runs' tokens' "
+            "log(p/E) gap in the position's exponential race at the first divergence)")
 
 
 def format_table(report: dict) -> str:

@@ -86,7 +86,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     random: RequestRandom | None
-    """Its randomness (sampled requests; None when greedy): position-keyed uniforms, and the
+    """Its randomness (sampled requests; None when greedy): position-keyed race variates, and the
     generator a sampling drafter (SpS) draws its drafts with."""
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)

@@ -17,8 +17,8 @@ logits; the accepted path is the deepest all-correct path and the bonus is the a
 The emitted tokens are exactly those plain greedy decoding would produce.
 
 Sampling, deterministic drafts (every drafter but SpS): position-keyed
-(:mod:`dart_ray.verify.randomness`). The target draws the token at each output position by
-inverting its processed CDF at one uniform keyed by (the request's seed, the position); a child is
+(:mod:`dart_ray.verify.randomness`). The target draws the token at each output position by an
+exponential race keyed by (the request's seed, the position); a child is
 accepted iff it carries the drawn token, and the drawn token after the last accepted node is the
 bonus. Each emitted token is the target's sample given its prefix -- and the very token plain
 sampling with the same seed draws there, so a seeded request's output does not depend on the

@@ -42,8 +42,8 @@ def _mix(z: int) -> int:
 
 
 class RequestRandom:
-    """One sampled request's random numbers: position-keyed uniforms, and a sequential generator
-    for drafters that sample their drafts (SpS)."""
+    """One sampled request's random numbers: position-keyed race variates (and uniforms), and a
+    sequential generator for drafters that sample their drafts (SpS)."""
 
     __slots__ = ("seed", "_key", "_generator", "_device")
 
@@ -85,4 +85,7 @@ def race(probs: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
     """``[B, V]`` (unnormalised) probabilities and ``[B, V]`` Exp(1) variates -> ``[B]`` tokens:
     ``argmax p_i / E_i``, i.e. token i with probability ``p_i / sum p`` (entries with p = 0 never
     win)."""
-    return (probs.float() / exps).argmax(dim=-1)
+    p = probs.float()
+    # torch.rand gives exactly 0 once in 2**24, i.e. E = inf and p / E = 0: where that hits every
+    # entry with p > 0 (top_k = 1, a peaked softmax) the argmax would fall to index 0, p = 0
+    return torch.where(p > 0, p / exps, -1.0).argmax(dim=-1)

@@ -470,6 +470,9 @@ def test_bench_samples_and_still_compares_with_ar(tiny_dirs):
     gap = divergence_gaps(target.model, [ids], [b], [a], sp)[0]
     assert gap < 0 and divergence_gaps(target.model, [ids], [a], [b], sp) == [-gap]
     assert 0.0 < -gap < float("inf")        # log units: a wrong token is whole units away
+    # a token outside this forward's top-k support has no finite gap (was inf / nan in the JSON)
+    k1 = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=1, seed=5)
+    assert divergence_gaps(target.model, [ids], [b], [a], k1) == [None]
     with pytest.raises(ValueError, match="greedy only"):
         run_bench(PROMPTS[:1], ["ar", "hf"], temperature=0.8, **kw)
 

@@ -740,3 +740,20 @@ def test_greedy_tokens_break_ties_to_the_first_index(dtype):
     assert got.shape == (6, 13)
     assert torch.equal(got, x.argmax(dim=-1))
     assert got[0, 0].item() == 7
+
+
+def test_the_race_never_draws_a_token_of_probability_zero():
+    """``torch.rand`` returns exactly 0 once in 2**24 (E = inf, p / E = 0): where that hit every
+    token with p > 0 (top_k = 1, a peaked softmax), argmax fell to index 0 -- a token of
+    probability 0 (SmolLM2's <|endoftext|>)."""
+    from dart_ray.verify.randomness import race
+
+    probs = torch.zeros(3, 8)
+    probs[0, 5] = 1.0                                   # one-token support, its variate infinite
+    probs[1, 2], probs[1, 6] = 0.25, 0.75               # both infinite
+    probs[2, 3], probs[2, 4] = 0.5, 0.5                 # one infinite, one finite
+    exps = torch.ones(3, 8)
+    exps[0, 5] = exps[1, 2] = exps[1, 6] = exps[2, 3] = float("inf")
+    got = race(probs, exps).tolist()
+    assert got[0] == 5 and got[1] in (2, 6) and got[2] == 4
+    assert race(torch.tensor([[0.1, 0.0, 0.9]]), torch.tensor([[1.0, 1e-30, 5.0]])).item() == 2
