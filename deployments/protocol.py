@@ -238,8 +238,8 @@ _NO_EFFECT_KEYS = frozenset((
 """Accepted and not used: bookkeeping that does not change the output."""
 _NEUTRAL = {
     # vLLM sampling extras
-    "min_tokens": (0,), "min_p": (0, 0.0), "include_stop_str_in_output": (False,),
-    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1, 1.0),
+    "min_tokens": (0,), "min_p": (0,), "include_stop_str_in_output": (False,),
+    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1,),
     "allowed_token_ids": (), "bad_words": ([],), "logits_processors": ([],),
     "truncate_prompt_tokens": (), "priority": (0,), "vllm_xargs": ({},),
     "kv_transfer_params": (),
@@ -265,10 +265,8 @@ _CHAT_TEMPLATE_NEUTRAL = {
 def _same_value(v, default) -> bool:
     """``v`` is ``default``: numbers by value (0.0 is 0), but a bool only equals a bool (1 is not
     True), and containers by type and content."""
-    numbers = (int, float)
-    if isinstance(v, bool) or isinstance(default, bool):
-        return type(v) is type(default) and v == default
-    if isinstance(v, numbers) and isinstance(default, numbers):
+    if not isinstance(v, bool) and not isinstance(default, bool) \
+            and isinstance(v, (int, float)) and isinstance(default, (int, float)):
         return v == default
     return type(v) is type(default) and v == default
 
