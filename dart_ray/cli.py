@@ -285,10 +285,13 @@ def _run(argv: list[str]) -> int:
 def _device_arg(argv: list[str]) -> str:
     """The ``--device`` value on a command line ('' if none), read before parsing."""
     for i, x in enumerate(argv):
-        if x == "--device" and i + 1 < len(argv):
-            return argv[i + 1]
-        if x.startswith("--device="):
-            return x.split("=", 1)[1]
+        flag, eq, value = x.partition("=")
+        # argparse takes any unambiguous prefix: --dev, --devi, ... (--de is --decoding's too)
+        if len(flag) >= 5 and "--device".startswith(flag):
+            if eq:
+                return value
+            if i + 1 < len(argv):
+                return argv[i + 1]
     return ""
 
 

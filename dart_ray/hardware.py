@@ -37,8 +37,10 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile",
              "amx_int8", "sve", "asimd", "bf16")
 """CPU flags that change which kernels torch/oneDNN run (x86 and Arm); the rest is noise."""
 
-ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
-"""Environment variables that restrict the ISA torch uses (recorded as ``VAR=value`` flags)."""
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+"""Environment variables that restrict the ISA torch uses (recorded as ``VAR=value`` flags;
+oneDNN honours its older name ``DNNL_MAX_CPU_ISA`` too: a decision cached without it was reused
+under it, and the other way round)."""
 
 
 def cpuinfo_fields(text: str) -> dict[str, str]:
@@ -178,12 +180,22 @@ def hardware_cache_dir() -> Path:
     return cache_root() / "hardware"
 
 
-def read_cached(name: str) -> dict | None:
+def read_cached(name: str, timings: tuple[str, ...] = ()) -> dict | None:
+    """A cached measurement, or None when it is missing, unreadable, not a mapping, or lacks a
+    positive number under one of ``timings`` (then the caller measures anew: a hand-edited or
+    foreign file must not crash or mislead an engine start)."""
     path = hardware_cache_dir() / name
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(data, dict):
+        return None
+    for k in timings:
+        v = data.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            return None
+    return data
 
 
 def write_cached(name: str, data: dict) -> None:
@@ -202,8 +214,11 @@ def write_cached(name: str, data: dict) -> None:
 def bf16_supported(device: str | torch.device) -> bool:
     """Does the device run bf16 natively (not emulated)?"""
     dev = torch.device(device)
-    if dev.type == "cuda":
-        return bool(torch.cuda.is_bf16_supported())
+    if dev.type == "cuda":     # this device, not the current one; emulated bf16 is not native
+        if not torch.cuda.is_available():
+            return False
+        with torch.cuda.device(dev):
+            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
     if dev.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -274,9 +289,10 @@ def measure_bf16_vs_fp32(device: str | torch.device) -> dict[str, float]:
             for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)) for rows in (1, 64)}
 
 
-DTYPE_PROBE_VERSION = 2
+DTYPE_PROBE_VERSION = 3
 """Bumped when the dtype probe changes, so a decision cached by an older probe is measured anew
-(v1 timed one cache-resident dense linear)."""
+(v1 timed one cache-resident dense linear; v3: decisions cached before ``DNNL_MAX_CPU_ISA`` was
+part of the fingerprint may come from the other ISA setting)."""
 
 
 def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DTypeChoice:
@@ -293,8 +309,8 @@ def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DTypeCh
                            "no native bf16 on this device (oneDNN/CUDA report none)")
     fp = Fingerprint.current(device)
     name = f"dtype-v{DTYPE_PROBE_VERSION}-{fp.key()}.json"
-    t = read_cached(name)
-    if not t or not all(k in t for k in ("bf16_1", "bf16_64", "fp32_1", "fp32_64")):
+    t = read_cached(name, ("bf16_1", "bf16_64", "fp32_1", "fp32_64"))
+    if t is None:
         t = measure_bf16_vs_fp32(device)
         write_cached(name, {**t, "fingerprint": fp.to_dict()})
     ratio = max(t["bf16_1"] / t["fp32_1"], t["bf16_64"] / t["fp32_64"])

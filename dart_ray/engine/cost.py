@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 MAX_MEASURED_TOKENS = 160
 """Grid cells with ``B * T`` above this are extrapolated, not measured (bounds start-up time)."""
 
-COST_CACHE_VERSION = "v2"
+COST_CACHE_VERSION = "v3"
 """Bumped when a measurement fix makes older cached cost models wrong (v2: warm-up before the
-first cell, whose cold timing had inflated plain steps by up to 35 %)."""
+first cell, whose cold timing had inflated plain steps by up to 35 %; v3: models cached before
+``DNNL_MAX_CPU_ISA`` was part of the fingerprint may come from the other ISA setting)."""
 
 TOKEN_GRID = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
 """New tokens per row measured (tree sizes 0, 1, 2, 4, 8, 16, ... plus the root)."""
@@ -96,6 +97,10 @@ class CostModel:
     def __post_init__(self) -> None:
         if not self.table:
             raise ValueError("a cost model needs at least one measured cell")
+        bad = [k for k, v in self.table.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
+        if bad:              # a 0 s cell would make verifying free to the controller
+            raise ValueError(f"cost model cells must be positive seconds: {bad[:3]}")
         if not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
 
@@ -212,7 +217,7 @@ def load_or_measure(key: str, fingerprint: dict, forward, batches: list[int],
             cm = CostModel.from_dict(data)
             if cm.batches == list(batches) and cm.tokens == list(tokens):
                 return cm
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError):
             pass
     t0 = time.perf_counter()
     with torch.inference_mode():

@@ -85,8 +85,8 @@ def fp32_packing_helps() -> bool:
     from dart_ray.hardware import Fingerprint, read_cached, write_cached
 
     name = f"pack-fp32-{Fingerprint.current('cpu', 'fp32').key()}.json"
-    t = read_cached(name)
-    if not t or not all(k in t for k in ("dense_1", "dense_9", "packed_1", "packed_9")):
+    t = read_cached(name, ("dense_1", "dense_9", "packed_1", "packed_9"))
+    if t is None:
         t = measure_fp32_packing()
         write_cached(name, t)
     return t["packed_1"] + t["packed_9"] < t["dense_1"] + t["dense_9"]

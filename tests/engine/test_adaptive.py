@@ -609,6 +609,48 @@ def test_dtype_auto_follows_capability_and_measurement(tmp_path, monkeypatch):
     assert choice.dtype == "fp32" and "slower" in choice.reason
 
 
+def test_cached_machine_decisions_follow_every_isa_restriction_and_survive_bad_files(
+        tmp_path, monkeypatch):
+    """oneDNN honours DNNL_MAX_CPU_ISA too: it was not in the fingerprint, so a dtype decision (and
+    packing, cost tables) cached without it was reused under it, and the other way round. A cache
+    file of the wrong shape crashed the engine start; a 0 s cost cell made verifying free."""
+    from dart_ray import hardware
+    from dart_ray.engine.cost import CostModel
+
+    monkeypatch.setenv("DART_RAY_CACHE", str(tmp_path))
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    plain = hardware.Fingerprint.current("cpu", "fp32").key()
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX512_CORE")
+    assert hardware.Fingerprint.current("cpu", "fp32").key() != plain
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA")
+
+    assert not hardware.bf16_supported("cuda") or torch.cuda.is_available()  # no GPU: no crash
+    monkeypatch.setattr(hardware, "bf16_supported", lambda device: True)
+    calls = []
+    monkeypatch.setattr(hardware, "measure_bf16_vs_fp32", lambda device: calls.append(1) or
+                        {"bf16_1": 1.0, "bf16_64": 2.0, "fp32_1": 1.5, "fp32_64": 4.0})
+    name = f"dtype-v{hardware.DTYPE_PROBE_VERSION}-{hardware.Fingerprint.current('cpu').key()}.json"
+    for bad in ("123", '"x"', '{"bf16_1": 1, "bf16_64": 2, "fp32_1": 0, "fp32_64": 4}',
+                '{"bf16_1": "a", "bf16_64": 2, "fp32_1": 1, "fp32_64": 4}'):
+        (hardware.hardware_cache_dir()).mkdir(parents=True, exist_ok=True)
+        (hardware.hardware_cache_dir() / name).write_text(bad)
+        assert hardware.resolve_dtype("auto", "cpu").dtype == "bf16", bad   # measured anew
+    assert len(calls) == 4
+    with pytest.raises(ValueError, match="positive seconds"):
+        CostModel([1], [1], {(1, 1): 0.0})
+
+
+def test_the_allocator_reexec_reads_an_abbreviated_device_flag():
+    """argparse takes ``--dev cuda`` for ``--device cuda``: the re-exec check read only the full
+    spelling and put a GPU command under jemalloc."""
+    from dart_ray.cli import _device_arg
+
+    assert _device_arg(["generate", "hi", "--dev", "cuda"]) == "cuda"
+    assert _device_arg(["generate", "hi", "--devic=cuda:1"]) == "cuda:1"
+    assert _device_arg(["bench", "--decoding", "{}", "--device", "cpu"]) == "cpu"
+    assert _device_arg(["generate", "--de", "x"]) == ""          # ambiguous with --decoding
+
+
 def test_fingerprint_round_trip_and_differences():
     from dart_ray.hardware import Fingerprint
 
