@@ -361,16 +361,11 @@ def _concat(tables: list[pa.Table], files: list[str]) -> pa.Table:
                          f"each column one type in every file") from e
 
 
-def _check_prompt_types(files: list[str], fmt: str, json_tables: list[pa.Table] | None,
-                        column: str) -> None:
+def _check_prompt_types(files: list[str], types: list[pa.DataType], column: str) -> None:
     """Files whose prompt columns hold different kinds of values (strings in one, numbers in
     another) cannot be read as one dataset (Ray Data fails to unify them, with a traceback):
     refuse, naming them. string/large_string/dictionary-of-string are one kind; an all-null
     column goes with anything."""
-    if json_tables is not None:
-        types = [t.schema.field(column).type for t in json_tables]
-    else:
-        types = [pq.read_schema(f).field(column).type for f in files]
     kinds: dict[str, str] = {}
     for f, t in zip(files, types, strict=True):
         if pa.types.is_dictionary(t):
@@ -385,9 +380,9 @@ def _check_prompt_types(files: list[str], fmt: str, json_tables: list[pa.Table] 
                          + "; give prompts one type (strings) in every file")
 
 
-def _has_column(schemas: list[list[str]], column: str) -> bool:
+def _has_column(schemas: list[pa.Schema], column: str) -> bool:
     """Whether every input file has ``column`` (an error if only some do)."""
-    present = [column in names for names in schemas]
+    present = [column in s.names for s in schemas]
     if any(present) and not all(present):
         raise ValueError(f"column {column!r} is in some input files but not in others")
     return all(present)
@@ -512,7 +507,7 @@ def _load_input(cfg: BatchJobConfig) -> _Input:
         schemas = []
         for f in files:
             try:
-                schemas.append(pq.read_schema(f).names)
+                schemas.append(pq.read_schema(f))
             except (pa.ArrowException, OSError) as e:
                 raise ValueError(f"cannot read input file {f}: {e}") from e
 
@@ -520,13 +515,14 @@ def _load_input(cfg: BatchJobConfig) -> _Input:
             return [_read_file(f, fmt, cols) for f in files]
     else:
         json_tables = [_read_file(f, fmt) for f in files]
-        schemas = [t.column_names for t in json_tables]
+        schemas = [t.schema for t in json_tables]
 
         def read(cols: list[str]) -> list[pa.Table]:
             return [t.select(cols) for t in json_tables]
     if not _has_column(schemas, cfg.prompt_column):
         raise ValueError(f"input has no prompt column {cfg.prompt_column!r}")
-    _check_prompt_types(files, fmt, json_tables, cfg.prompt_column)
+    _check_prompt_types(files, [s.field(cfg.prompt_column).type for s in schemas],
+                        cfg.prompt_column)
     file_rows = None
     if _has_column(schemas, cfg.id_column):
         ids = _concat(read([cfg.id_column]), files).column(0).combine_chunks()

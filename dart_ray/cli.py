@@ -98,15 +98,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from dart_ray.profiles import refuse_profile_over_decoding
 
     cfg = EngineConfig.from_args(a)          # --method is not used: --methods lists what runs
-    refuse_profile_over_decoding(a.profile, cfg.decoding)
+    profile_for = _method_map(a.profile_for, "--profile-for")
+    for prof in (a.profile, *profile_for.values()):
+        refuse_profile_over_decoding(prof, cfg.decoding)
     prompts = load_prompts(a.prompts, limit=a.limit)
     decoding = cfg.decoding
     if a.profile:
         decoding = _bench_profile(a.profile, a.batch_size, cfg)
     drafters = _method_map(a.drafter_for, "--drafter-for")
-    profile_for = _method_map(a.profile_for, "--profile-for")
-    for prof in profile_for.values():
-        refuse_profile_over_decoding(prof, cfg.decoding)
     decodings = {m: _bench_profile(prof, a.batch_size, cfg) for m, prof in profile_for.items()}
     report = run_bench(prompts, a.methods.split(","), model=cfg.model, drafter=cfg.drafter,
                        ngram=cfg.ngram, chat=a.chat, max_new_tokens=a.max_new_tokens,
@@ -126,19 +125,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def _bench_profile(ref: str, batch_size: int, cfg: EngineConfig):
     """A profile's knobs at ``batch_size``, with the warning every command gives when it was tuned
-    on other hardware (this machine, dtype and threads as the bench runs them; the model is not
-    compared: the bench has not loaded it yet)."""
+    on other hardware (this machine, dtype and threads as the bench runs them; no model: the bench
+    has not loaded it yet)."""
     from dart_ray.hardware import Fingerprint, resolve_dtype
-    from dart_ray.profiles import check_profile_hardware, load_profile, profile_fingerprint
+    from dart_ray.profiles import check_profile_hardware, load_profile
 
     sched = load_profile(ref)
-    try:
-        recorded = profile_fingerprint(sched)
-    except (TypeError, ValueError):
-        recorded = None                              # check_profile_hardware names it
-    here = Fingerprint.current(cfg.device, dtype=resolve_dtype(cfg.dtype, cfg.device).dtype,
-                               model=recorded.model if recorded else "", threads=cfg.num_threads)
-    check_profile_hardware(sched, here)
+    check_profile_hardware(sched, Fingerprint.current(
+        cfg.device, dtype=resolve_dtype(cfg.dtype, cfg.device).dtype, threads=cfg.num_threads))
     return sched.for_batch_size(batch_size)
 
 

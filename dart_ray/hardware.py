@@ -118,6 +118,9 @@ class Fingerprint:
 
     OPTIONAL: ClassVar[tuple[str, ...]] = ("cpu_id",)
     """Fields a recorded fingerprint may lack (added later; read as their default)."""
+    UNKNOWN_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("cpu_id", "model")
+    """Fields whose '' means "not known" (not recorded; a machine-only fingerprint's model): never
+    a difference."""
 
     @classmethod
     def current(cls, device: str | torch.device = "cpu", dtype: str = "", model: str = "",
@@ -157,8 +160,8 @@ class Fingerprint:
         out = []
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in self.OPTIONAL and "" in (a, b):
-                continue                                   # not recorded on one side
+            if f.name in self.UNKNOWN_WHEN_EMPTY and "" in (a, b):
+                continue                                   # not known on one side
             if a != b:
                 out.append(f"{f.name}: {b!r} (recorded) != {a!r} (here)")
         return out
@@ -189,13 +192,14 @@ def read_cached(name: str, timings: tuple[str, ...] = ()) -> dict | None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or not all(is_duration(data.get(k)) for k in timings):
         return None
-    for k in timings:
-        v = data.get(k)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            return None
     return data
+
+
+def is_duration(v) -> bool:
+    """A measured time: a positive number (not a bool, not NaN)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
 def write_cached(name: str, data: dict) -> None:

@@ -223,13 +223,11 @@ def _speculative(body: dict) -> str | None:
 _COMMON_KEYS = frozenset((
     "model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
     "stop", "stop_token_ids", "ignore_eos", "speculative", "add_special_tokens", "n",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
-    "top_logprobs", "response_format", "echo",
+    "logprobs", "top_logprobs", "response_format",
 ))
 _KEYS = {
-    "completion": _COMMON_KEYS | {"prompt", "max_completion_tokens", "best_of", "suffix"},
-    "chat": _COMMON_KEYS | {"messages", "max_completion_tokens", "tools", "functions",
-                            "tool_choice", "function_call", "parallel_tool_calls"},
+    "completion": _COMMON_KEYS | {"prompt", "max_completion_tokens", "best_of"},
+    "chat": _COMMON_KEYS | {"messages", "max_completion_tokens", "parallel_tool_calls"},
 }
 _NO_EFFECT_KEYS = frozenset((
     "user", "metadata", "store", "service_tier", "request_id", "cache_salt", "safety_identifier",
@@ -237,6 +235,9 @@ _NO_EFFECT_KEYS = frozenset((
 ))
 """Accepted and not used: bookkeeping that does not change the output."""
 _NEUTRAL = {
+    # OpenAI's: lossless speculative decoding of the plain model has no penalties or biases
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "logit_bias": ({},), "echo": (False,), "suffix": ("",),
     # vLLM sampling extras
     "min_tokens": (0,), "min_p": (0,), "include_stop_str_in_output": (False,),
     "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1,),
@@ -255,11 +256,14 @@ _NEUTRAL = {
 }
 """Known fields this server does not implement: accepted only absent, null or at these values
 (which are what the field's absence means), else refused with 400."""
-_CHAT_TEMPLATE_NEUTRAL = {
+_CHAT_NEUTRAL = {
+    # tool calling is not supported
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+    # vLLM's chat-template fields: the template is always applied with the generation prompt
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "documents": (),
 }
-"""vLLM's chat-template fields: the template is always applied with the generation prompt."""
+"""Chat-only fields this server does not implement, as :data:`_NEUTRAL`."""
 
 
 def _same_value(v, default) -> bool:
@@ -272,7 +276,7 @@ def _same_value(v, default) -> bool:
 
 
 def _check_keys(body: dict, kind: str) -> None:
-    neutral = _NEUTRAL if kind == "completion" else {**_NEUTRAL, **_CHAT_TEMPLATE_NEUTRAL}
+    neutral = _NEUTRAL if kind == "completion" else {**_NEUTRAL, **_CHAT_NEUTRAL}
     for key, v in body.items():
         if key in _KEYS[kind] or key in _NO_EFFECT_KEYS:
             continue
@@ -292,33 +296,11 @@ def _unsupported(body: dict, kind: str) -> None:
     best_of = _int(body, "best_of", 1)
     if best_of != 1:
         raise bad(f"only best_of=1 is supported, got {best_of}", "best_of", "unsupported_value")
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        v = body.get(key)
-        neutral = 1.0 if key == "repetition_penalty" else 0.0
-        if v is not None:
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise bad(f"'{key}' must be a number", key, "invalid_type")
-            if v != neutral:
-                raise bad(f"'{key}' is not supported "
-                          "(lossless speculative decoding of the plain model)",
-                          key, "unsupported_value")
-    if body.get("logit_bias"):
-        raise bad("'logit_bias' is not supported", "logit_bias", "unsupported_value")
     # completions: an integer (0 too asks for the sampled token's logprob); chat: a boolean
     lp = body.get("logprobs")
     logprobs_off = lp is None or (kind == "chat" and lp is False)
     if not logprobs_off or body.get("top_logprobs") not in (None, 0):
         raise bad("'logprobs' is not supported", "logprobs", "unsupported_value")
-    if body.get("echo"):
-        raise bad("'echo' is not supported", "echo", "unsupported_value")
-    if body.get("suffix"):
-        raise bad("'suffix' is not supported", "suffix", "unsupported_value")
-    if body.get("tools") or body.get("functions"):
-        raise bad("tool calling is not supported", "tools", "unsupported_value")
-    for key in ("tool_choice", "function_call"):
-        if body.get(key) not in (None, "none"):
-            raise bad(f"'{key}' is only allowed when tools are specified (tool calling is not "
-                      "supported)", key)
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type", "text") == "text"):
         raise bad("only response_format {\"type\": \"text\"} is supported", "response_format",

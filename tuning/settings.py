@@ -144,10 +144,10 @@ class TuneSettings:
                              "check tokens >= 1")
         if self.eval_repeats < 1 or self.max_concurrent_trials < 1:
             raise ValueError("eval repeats and max concurrent trials must be >= 1")
-        for name in ("cpus_per_trial", "gpus_per_trial"):
-            v = getattr(self, name)
-            if v is not None and (v < 0 or (name == "cpus_per_trial" and v == 0)):
-                raise ValueError(f"{name.replace('_', ' ')} must be > 0, got {v}")
+        if self.cpus_per_trial is not None and self.cpus_per_trial <= 0:
+            raise ValueError(f"cpus per trial must be > 0, got {self.cpus_per_trial}")
+        if self.gpus_per_trial is not None and self.gpus_per_trial < 0:
+            raise ValueError(f"gpus per trial must be >= 0, got {self.gpus_per_trial}")
         out = self.out_path
         if out.is_dir():
             raise ValueError(f"--out {self.out} is a directory; name the profile YAML to write")

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dart_ray.hardware import is_duration, read_cached, write_cached
+
 log = logging.getLogger(__name__)
 
 MAX_MEASURED_TOKENS = 160
@@ -97,8 +99,7 @@ class CostModel:
     def __post_init__(self) -> None:
         if not self.table:
             raise ValueError("a cost model needs at least one measured cell")
-        bad = [k for k, v in self.table.items()
-               if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
+        bad = [k for k, v in self.table.items() if not is_duration(v)]
         if bad:              # a 0 s cell would make verifying free to the controller
             raise ValueError(f"cost model cells must be positive seconds: {bad[:3]}")
         if not 0.0 < self.alpha <= 1.0:
@@ -208,8 +209,6 @@ def measure_verify_costs(forward, batches: list[int], tokens: list[int],
 def load_or_measure(key: str, fingerprint: dict, forward, batches: list[int],
                     tokens: list[int]) -> CostModel:
     """The cached cost model for this fingerprint, or a fresh measurement (then cached)."""
-    from dart_ray.hardware import read_cached, write_cached
-
     name = f"cost-{COST_CACHE_VERSION}-{key}.json"
     data = read_cached(name)
     if data is not None:

@@ -82,18 +82,14 @@ def encode_prompt(tokenizer, prompt: PromptLike, chat: bool = False,
     BOS) around the text. None = as Hugging Face and vLLM do by default: yes for plain text (the
     model saw BOS in training), no for a chat template (the template writes them). Token ids are
     taken as they are."""
-    if isinstance(prompt, str) and chat:
-        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, str) and not chat:
+        return list(tokenizer(prompt, add_special_tokens=add_special_tokens is not False)
+                    ["input_ids"])
     if isinstance(prompt, str):
-        asp = True if add_special_tokens is None else add_special_tokens
-        return list(tokenizer(prompt, add_special_tokens=asp)["input_ids"])
+        prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        if add_special_tokens:
-            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                 tokenize=False)
-            return list(tokenizer(text, add_special_tokens=True)["input_ids"])
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=bool(add_special_tokens))["input_ids"])
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     raise TypeError("prompt must be a non-empty string, a list of chat messages, or a list of "

@@ -42,8 +42,8 @@ def _mix(z: int) -> int:
 
 
 class RequestRandom:
-    """One sampled request's random numbers: position-keyed race variates (and uniforms), and a
-    sequential generator for drafters that sample their drafts (SpS)."""
+    """One sampled request's random numbers: position-keyed race variates, and a sequential
+    generator for drafters that sample their drafts (SpS)."""
 
     __slots__ = ("seed", "_key", "_generator", "_device")
 
@@ -58,10 +58,6 @@ class RequestRandom:
         if position < 0:
             raise ValueError(f"position {position} < 0")
         return _mix((self._key + ((position << 8) + 1) * _GOLDEN) & _M64)
-
-    def uniform(self, position: int) -> float:
-        """A uniform in [0, 1) keyed by output position ``position``."""
-        return (self._position_key(position) >> 11) * (1.0 / (1 << 53))
 
     def exponentials(self, position: int, n: int, device: torch.device | str = "cpu"
                      ) -> torch.Tensor:
