@@ -83,6 +83,13 @@ class DecodingSchedule:
         """The deepest ``draft_depth`` of any entry: the draft positions a server lists."""
         return max(cfg.draft_depth for _, cfg in self.entries)
 
+    def max_positions(self, lookups: bool) -> int:
+        """The deepest position a draft tree can reach under any entry: its ``draft_depth``, or,
+        where prompt-lookup paths are merged into the tree (``lookups``: DART's
+        ``lookup_paths``), their ``lookup_len`` when that is deeper."""
+        return max(max(cfg.draft_depth, cfg.lookup_len if lookups and cfg.lookup_paths else 0)
+                   for _, cfg in self.entries)
+
     max_chunk_len = RenamedAttribute("max_draft_depth")
 
     @classmethod

@@ -137,7 +137,8 @@ class DrainGate:
             return
         ing = self.ingress
         if ing.draining and (scope.get("method") == "POST" or scope.get("path") == "/health"):
-            ing.metrics.error(503)
+            if scope.get("method") == "POST":        # a refused request; a refused probe is not
+                ing.metrics.error(503)
             await _refuse(send)
             return
         task = asyncio.current_task()

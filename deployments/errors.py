@@ -10,9 +10,10 @@ raised where they are found; :func:`engine_error` maps everything else:
 * 400 ``invalid_value``: a prompt the engine refuses (``InvalidPromptError``: empty, ids outside
   the vocabulary; ``param: prompt``) or another value it refuses (ValueError / TypeError);
 * 503 ``queue_full`` + ``Retry-After``: the engine's queue is full, or Serve's back-pressure;
-* 503 ``engine_unavailable``: the engine thread is down, or the engine deployment failed to deploy;
+* 503 ``engine_unavailable``: the engine deployment failed to deploy;
 * **503 ``replica_lost`` + ``Retry-After``**: the engine replica serving the request (its process or
-  its node, or a worker of its tensor-parallel group) was lost after the request's first output;
+  its node, or a worker of its tensor-parallel group, or its engine thread: shut down by Serve's
+  graceful stop, or dead) was lost after the request's first output;
   nothing more comes, the client retries (a loss *before* the first output is retried on another
   replica by the ingress, unseen -- also a replica whose TP group failed, which refuses new
   requests with this error until Serve replaces it);
@@ -84,14 +85,15 @@ def engine_error(e: BaseException, retry_after_s: float = 1.0) -> APIError:
         return APIError(400, str(e), "invalid_request_error", "prompt", "invalid_value")
     if isinstance(e, QueueFullError):
         return _queue_full(e, e.retry_after_s)
-    if isinstance(e, EngineDeadError):
-        return _unavailable(str(e))
     if isinstance(e, EngineStepError):
         return APIError(500, str(e), "server_error", None, "engine_error")
-    if is_replica_lost(e):
+    if isinstance(e, EngineDeadError) or is_replica_lost(e):
+        # a stopped engine thread (Serve's graceful stop shuts it down with requests still
+        # queued, or it died) serves nothing more either: as a lost replica, a request with no
+        # output yet is resubmitted to a live one by the ingress
         return APIError(503, f"the engine replica serving this request was lost "
-                             f"({type(e).__name__}); nothing more will come for it: retry the "
-                             "request", "server_error", None, REPLICA_LOST,
+                             f"({type(e).__name__}: {e}); nothing more will come for it: retry "
+                             "the request", "server_error", None, REPLICA_LOST,
                         _retry_after(retry_after_s))
     serve_error = _serve_unavailable(e, retry_after_s)
     if serve_error is not None:

@@ -39,7 +39,9 @@ Not exported (no counterpart here): prefix-cache hits/queries (no prefix cache),
 acceptance length ``1 + accepted / drafts``, with ``draft_tokens`` = positions speculated per draft
 (``num_speculative_tokens``). A DART tree speculates ``depth`` positions along many branches; at
 most ``depth`` of its nodes can be accepted. So here a *draft* is one row in one step with a
-non-empty tree, its *draft tokens* are the tree's depth (the longest root-to-leaf path), and
+non-empty tree, its *draft tokens* are the tree's depth (the longest root-to-leaf path: the
+drafter's ``draft_depth``, or a prompt-lookup path's ``lookup_len`` where DART merged a deeper
+one in, so a step's draft tokens can exceed ``draft_depth``), and
 ``accepted_per_pos[i]`` counts drafts whose accepted path reached position ``i``: every vLLM
 formula keeps its meaning (the rate stays in [0, 1]). The number of tree nodes verified is
 ``dart_ray:spec_decode_tree_nodes_total``.
@@ -195,11 +197,18 @@ class ServerMetrics:
         # dart_ray histograms (earlier names; TTFT is the vLLM histogram under its earlier name too)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.requests: dict[str, int] = {r: 0 for r in FINISH_REASONS}   # finish reason -> count
+        self.generation_tokens = 0
+        """Tokens streamed to clients (what their usage counts; a step the engine ran past a stop
+        string is not streamed, so the engine's own count can be larger)."""
         self.aborted = 0                        # clients that went away mid-request
 
     # ---- recording ---------------------------------------------------------------------------
     def first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+
+    def generated(self, num_tokens: int) -> None:
+        """A request's delta carried ``num_tokens`` tokens to its client."""
+        self.generation_tokens += num_tokens
 
     def inter_token(self, gap_s: float) -> None:
         """Time between two consecutive outputs of one request (one engine step: with speculation
@@ -241,14 +250,15 @@ class ServerMetrics:
     # ---- exposition ------------------------------------------------------------------------------
     def render(self, engine_stats: dict, queue_depth: int, num_running: int, num_positions: int,
                kv_cache_usage: float = 0.0, openmetrics: bool = False,
-               ingress: dict | None = None) -> str:
+               ingress: dict | None = None, step_errors: int = 0) -> str:
         """``engine_stats``: lane -> (method, EngineStats as dict); ``num_positions``: draft
         positions to list in ``accepted_per_pos`` even when none was accepted yet (the server passes
-        the deepest ``draft_depth`` of the schedules its lanes decode with, a loaded profile's
-        included: ``deployments.serving.draft_positions``);
+        the deepest position a tree reaches in the schedules its lanes decode with, a loaded
+        profile's included: ``deployments.serving.draft_positions``);
         ``openmetrics``: OpenMetrics 1.0 text instead of the 0.0.4 text format;
         ``ingress``: :meth:`IngressMetrics.snapshot` of the ingress replica that asked, whose error
-        and retry counters are listed under that replica's labels."""
+        and retry counters are listed under that replica's labels; ``step_errors``: engine steps
+        that failed (each ended the requests of its step)."""
         L = self.labels
         IL = {"model_name": L["model_name"], **(ingress or {}).get("labels", {})}
         ingress_errors = sorted((ingress or {}).get("errors", {}).items())
@@ -268,7 +278,7 @@ class ServerMetrics:
             out.extend(h.lines(name, L))
 
         sp = _spec_totals(engine_stats, num_positions)
-        gen = sum(s.get("generated_tokens", 0) for _, s in engine_stats.values())
+        gen = self.generation_tokens
         prompt = sum(s.get("prompt_tokens", 0) for _, s in engine_stats.values())
 
         # ---- vLLM: scheduler state
@@ -354,6 +364,9 @@ class ServerMetrics:
                "Requests resubmitted to another engine replica after theirs was lost "
                "before any output.",
                [(IL, ingress["retries"])] if ingress is not None else [])
+        family("dart_ray:engine_step_errors", "counter",
+               "Engine steps that failed (each ended every request of its step with an error).",
+               [(L, step_errors)])
         family("dart_ray:request_aborted", "counter",
                "Requests aborted because the client went away.",
                [(L, self.aborted)])

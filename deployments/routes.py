@@ -134,6 +134,13 @@ def _usage(last, method: str) -> dict:
     return usage(last.num_prompt_tokens, last.num_generated_tokens, last.stats.to_dict(), method)
 
 
+def counts_errors(path: str) -> bool:
+    """Whether an error answered on ``path`` counts in ``dart_ray:request_errors``: the OpenAI API
+    (``/v1/...``) and ``/metrics`` (a scraper with a wrong key), not ``/health`` probes or a
+    scanner's unknown paths."""
+    return path.startswith("/v1/") or path == "/metrics"
+
+
 class Ingress:
     """Request handling of one ingress replica (what the routes of :func:`build_api` call)."""
 
@@ -170,8 +177,11 @@ class Ingress:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            "invalid_request_error", None, "invalid_api_key")
 
-    def error_response(self, e: APIError) -> JSONResponse:
-        self.metrics.error(e.status)
+    def error_response(self, e: APIError, path: str) -> JSONResponse:
+        """``e`` as the HTTP answer to a request for ``path`` (counted where
+        :func:`counts_errors`)."""
+        if counts_errors(path):
+            self.metrics.error(e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
     # ---- reading a request -----------------------------------------------------------------------
@@ -322,18 +332,19 @@ def build_api(ingress: Ingress) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return ingress.error_response(exc)
+        return ingress.error_response(exc, request.url.path)
 
     # unknown routes, wrong verbs
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, exc: StarletteHTTPException):
-        return ingress.error_response(http_error(exc.status_code, str(exc.detail)))
+        return ingress.error_response(http_error(exc.status_code, str(exc.detail)),
+                                      request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         logger.exception("unhandled error")
         return ingress.error_response(APIError(500, f"internal error: {exc!r}", "server_error",
-                                               None, None))
+                                               None, None), request.url.path)
 
     @app.get("/health")                            # open: load balancers probe it without a key
     async def health():

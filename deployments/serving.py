@@ -102,11 +102,12 @@ def _engine_info(e: Engine) -> tuple[dict, object]:
 
 
 def draft_positions(engines: dict) -> int:
-    """Draft positions /metrics lists (``accepted_per_pos``): the deepest ``draft_depth`` in the
-    schedules the speculating lanes decode with now (a loaded profile's, else ``engine.decoding``);
-    0 when every lane is plain AR."""
-    return max((e.schedule.max_draft_depth for e in engines.values() if e.config.method != "none"),
-               default=0)
+    """Draft positions /metrics lists (``accepted_per_pos``): the deepest position a tree can
+    reach in the schedules the speculating lanes decode with now (a loaded profile's, else
+    ``engine.decoding``): ``draft_depth``, or DART's prompt-lookup paths (``lookup_len``) where
+    deeper; 0 when every lane is plain AR."""
+    return max((e.schedule.max_positions(lookups=e.config.method == "dart")
+                for e in engines.values() if e.config.method != "none"), default=0)
 
 
 def _kv_usage(engines: dict) -> float:
@@ -136,6 +137,7 @@ class _Track:
 
     def output(self, o: RequestOutput) -> None:
         t = time.perf_counter()
+        self.metrics.generated(len(o.new_token_ids))
         if self.first_at is None:
             self.first_at = t
             self.metrics.first_token(t - self.t0)
@@ -335,10 +337,13 @@ class DartRayServer:
                      for name, e in engines.items()},
                     _kv_usage(engines), draft_positions(engines))
 
-        stats, kv, positions = await self.aengine.call(snapshot, lane=None)
+        # read now, not between steps: a scrape must answer while a long step (or a lane build,
+        # or a stuck device) holds the engine thread
+        stats, kv, positions = self.aengine.peek(snapshot)
         return self.server_metrics.render(stats, self.aengine.queue_depth, self.aengine.num_running,
                                           positions, kv_cache_usage=kv, openmetrics=openmetrics,
-                                          ingress=ingress)
+                                          ingress=ingress,
+                                          step_errors=self.aengine.num_step_errors)
 
     def pid(self) -> int:
         """The replica process id (tests kill it to exercise replica loss)."""

@@ -19,7 +19,8 @@ Detokenising happens on the event loop, per request, as its consumer reads it: t
 only computes token ids, so no request's text (a long one, or many streams) delays a step. A stop
 string ends a request there: its stream returns the text before it and the ids through the token
 that completes it, and the engine is told to abort the request (a step it may have run meanwhile
-is not streamed, and its tokens are taken back out of the engine's ``generated_tokens``).
+is not streamed; the engine's ``generated_tokens`` still counts it: a counter that only grows,
+tokens computed. What reached the client is the server's count, ``vllm:generation_tokens``).
 
 Besides the main engine, the thread can own extra *lanes*: further engines (e.g. a plain
 autoregressive one sharing the target weights) built on demand with :meth:`AsyncEngine.add_lane`.
@@ -47,6 +48,7 @@ Failure model:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -116,8 +118,6 @@ class _Stream:
     timing: RequestTiming | None = None
     started: bool = False
     """Its first output was produced (set on the engine thread)."""
-    tokens_out: int = 0
-    """Token ids the engine produced for it (counted on the engine thread)."""
 
 
 @dataclass
@@ -165,9 +165,6 @@ class _Add:
 @dataclass
 class _Abort:
     stream: _Stream
-    kept_tokens: int | None = None
-    """A stop string ended the request after this many tokens: the engine's count of generated
-    tokens drops the ones produced after them."""
 
 
 @dataclass
@@ -213,6 +210,8 @@ class AsyncEngine:
         self._on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._leftover: collections.deque = collections.deque()
+        """Commands the engine thread took from its inbox after the stop (failed on exit)."""
         self._closed = False
         self._fatal: BaseException | None = None
         self._lanes: dict[str, _Lane] = {}
@@ -309,12 +308,16 @@ class AsyncEngine:
     def _text(self, st: _Stream, item: RequestOutput) -> RequestOutput:
         """The engine's token-id output ``item`` with its text; a stop string found in it ends the
         request (the engine is told to abort it)."""
-        ids, text, stopped = st.text.push(item.new_token_ids, item.finished)
+        # the engine ends a request on stop ids and lengths only (stop strings are found here):
+        # a "stop" is a stop id, whose text is left out
+        ids, text, stopped = st.text.push(item.new_token_ids, item.finished,
+                                          stop_id=item.finished and item.finish_reason == "stop"
+                                          and bool(item.new_token_ids))
         if not stopped:
             item.new_text = text
             return item
         if not item.finished:                      # the engine still runs it: free its row
-            self._inbox.put(_Abort(st, kept_tokens=st.text.num_tokens))
+            self._inbox.put(_Abort(st))
         return RequestOutput(request_id=item.request_id, new_token_ids=ids, new_text=text,
                              finished=True, finish_reason="stop",
                              num_prompt_tokens=item.num_prompt_tokens,
@@ -338,11 +341,11 @@ class AsyncEngine:
                                      f"{self.retry_after_s:g} s", self.retry_after_s)
             text = RequestText(ln.engine.tokenizer, params.stop)
             st = _Stream(rid, lane, loop, asyncio.Queue(), text, timing=timing)
+            if timing is not None:
+                timing.submitted = time.perf_counter()
+            self._put_locked(_Add(st, prompt, params, chat))    # raises once shut down
             self._stream_index[rid] = st
             ln.pending += 1
-        if timing is not None:
-            timing.submitted = time.perf_counter()
-        self._inbox.put(_Add(st, prompt, params, chat))
         return st
 
     async def generate(self, prompt, params: SamplingParams | None = None,
@@ -370,8 +373,18 @@ class AsyncEngine:
         """Like :meth:`call` for synchronous callers: returns a ``concurrent.futures.Future``."""
         self.check_health()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Call(fn, lane, fut))
+        self._put(_Call(fn, lane, fut))
         return fut
+
+    def peek(self, fn: Callable[[dict[str, Engine]], Any]) -> Any:
+        """``fn(engines)`` (lane -> engine) now, on the caller's thread, without waiting for a step
+        boundary as :meth:`call` does: for reading counters (a server's ``/metrics``), which must
+        answer while a long step, a lane build or a stuck device holds the engine thread. ``fn``
+        must only read; the engine thread may be mid-step, so one reading can mix two steps'
+        values (each counter only grows)."""
+        with self._lock:
+            engines = {name: ln.engine for name, ln in self._lanes.items()}
+        return fn(engines)
 
     async def encode(self, prompt, chat: bool = False,
                      add_special_tokens: bool | None = None) -> list[int]:
@@ -390,8 +403,20 @@ class AsyncEngine:
             return
         self._check_lane_limit(name)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_AddLane(name, factory, fut))
+        self._put(_AddLane(name, factory, fut))
         await asyncio.wrap_future(fut)
+
+    def _put(self, cmd) -> None:
+        """Hand ``cmd`` to the engine thread, or raise :class:`EngineDeadError` once it is closed:
+        the check and the put hold the lock :meth:`shutdown` and the thread's exit take, so no
+        command lands after the thread's last look at its inbox (it would wait forever)."""
+        with self._lock:
+            self._put_locked(cmd)
+
+    def _put_locked(self, cmd) -> None:
+        if self._closed:
+            raise EngineDeadError("engine is shut down")
+        self._inbox.put(cmd)
 
     def _check_lane_limit(self, name: str) -> None:
         full = self.max_lanes is not None and len(self._lanes) >= self.max_lanes
@@ -403,8 +428,9 @@ class AsyncEngine:
         """Stop the thread; requests still in flight fail with :class:`EngineDeadError`."""
         if self._closed and not self._thread.is_alive():
             return
-        self._closed = True
-        self._inbox.put(_STOP)
+        with self._lock:
+            self._closed = True
+            self._inbox.put(_STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 
@@ -425,7 +451,8 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self._fatal = e
         finally:
-            self._closed = True
+            with self._lock:             # from here on no command is put (see _put)
+                self._closed = True
             self._fail_all(EngineDeadError("engine is shut down"))
 
     def _loop(self) -> None:
@@ -438,8 +465,11 @@ class AsyncEngine:
                     cmds.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            for c in cmds:
+            for i, c in enumerate(cmds):
                 if c is _STOP:
+                    # what came after the stop in this batch is failed with the rest (_run)
+                    for later in reversed(cmds[i + 1:]):
+                        self._leftover.appendleft(later)
                     return
                 self._handle(c)
             for lane in list(self._lanes.values()):
@@ -455,6 +485,8 @@ class AsyncEngine:
                 try:
                     lane.engine.add_request(c.prompt, c.params, request_id=st.request_id,
                                             chat=c.chat)
+                    # before any output is delivered (the consumer reads it after the step)
+                    st.text.set_prompt(lane.engine.requests[st.request_id].prompt_ids)
                     lane.streams[st.request_id] = st
                 except Exception as e:  # noqa: BLE001 - the caller gets the original exception
                     self._deliver(st, e)
@@ -469,8 +501,6 @@ class AsyncEngine:
                     lane.engine.abort(st.request_id)
                 except Exception:
                     logger.exception("abort of %s failed", st.request_id)
-            if c.kept_tokens is not None:  # usage and metrics agree with the text
-                lane.engine.metrics.generated_tokens -= st.tokens_out - c.kept_tokens
         elif isinstance(c, _Call):
             if not c.future.set_running_or_notify_cancel():
                 return
@@ -532,7 +562,6 @@ class AsyncEngine:
             st = lane.streams.get(o.request_id)
             if st is None:
                 continue
-            st.tokens_out += len(o.new_token_ids)
             if o.finished:
                 del lane.streams[o.request_id]
             if not self._deliver(st, o):
@@ -563,10 +592,10 @@ class AsyncEngine:
             for st in lane.streams.values():
                 self._deliver(st, err)
             lane.streams.clear()
-        # adds still sitting in the inbox
+        # commands taken after the stop, and those still sitting in the inbox
         while True:
             try:
-                c = self._inbox.get_nowait()
+                c = self._leftover.popleft() if self._leftover else self._inbox.get_nowait()
             except queue.Empty:
                 break
             if isinstance(c, _Add):

@@ -15,6 +15,7 @@ with the ``none`` drafter (root-only trees), so speedups are measured against th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -116,6 +117,19 @@ class _Stream:
         self._finalizer()
 
 
+def one_delta_per_request(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """A step's deltas with one per request, in first-seen order: a request admitted in a step is
+    decoded in it too (its prefill token, then its first decode's), and a consumer that times
+    deltas (inter-token latency) must not see a 0 s gap between two halves of one step."""
+    merged: dict[str, RequestOutput] = {}
+    for o in outputs:
+        first = merged.get(o.request_id)
+        merged[o.request_id] = o if first is None else dataclasses.replace(
+            o, new_token_ids=first.new_token_ids + o.new_token_ids,
+            new_text=first.new_text + o.new_text)
+    return list(merged.values())
+
+
 class Engine:
     def __init__(self, target: LoadedTarget, drafter: Drafter, config: EngineConfig,
                  cost_model: CostModel | None = None,
@@ -167,6 +181,9 @@ class Engine:
         self._streams: dict[str, deque[RequestOutput]] = {}
         """Request id -> the output queue of the open :meth:`stream` (or :meth:`generate`) that
         owns it: a step, whichever stream runs it, queues each output there."""
+        self._unclaimed: list[RequestOutput] = []
+        """Outputs of requests no stream owns (added with :meth:`add_request`) from steps a
+        stream ran: the next :meth:`step` returns them first."""
         self.metrics = EngineStats()
         self.eos_ids = frozenset(self._eos_ids())
         self._maybe_pack(config.pack_weights)
@@ -341,7 +358,9 @@ class Engine:
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests wait or run, or outputs wait for the next :meth:`step` (a stream's steps ran
+        requests added with :meth:`add_request`)."""
+        return bool(self.waiting or self.running or self._unclaimed)
 
     @property
     def num_running(self) -> int:
@@ -369,7 +388,9 @@ class Engine:
             # (``abort``; an open stream gets its final output) and the engine is clean again
             self._abort_all()
             raise
-        return outputs
+        if self._unclaimed:          # what steps a stream ran made for add_request's requests
+            outputs, self._unclaimed = self._unclaimed + outputs, []
+        return one_delta_per_request(outputs)
 
     def _abort_all(self) -> None:
         for rid in list(self.requests):
@@ -586,8 +607,9 @@ class Engine:
         text = ""
         if detokenize:
             if r.text is None:
-                r.text = RequestText(self.tokenizer, p.stop)
-            kept, text, stopped = r.text.push(kept, reason is not None)
+                r.text = RequestText(self.tokenizer, p.stop, prompt_ids=r.prompt_ids)
+            # reason "stop" here is a stop id (stop strings are the text's): its text is left out
+            kept, text, stopped = r.text.push(kept, reason is not None, stop_id=reason == "stop")
             if stopped:
                 reason = "stop"
         r.output_ids += kept
@@ -675,6 +697,8 @@ class Engine:
                         q = self._streams.get(o.request_id)
                         if q is not None:
                             q.append(o)
+                        else:                 # an add_request's: the next step() returns it
+                            self._unclaimed.append(o)
                 while queue:
                     o = queue.popleft()
                     yield o
@@ -688,7 +712,8 @@ class Engine:
                chat: bool = False) -> Iterator[RequestOutput]:
         """Add the prompt(s) and step until they finish, yielding every delta as it is produced.
 
-        Other requests already in the engine keep running (and finishing) in the same steps.
+        Other requests already in the engine keep running (and finishing) in the same steps;
+        the outputs of those added with :meth:`add_request` wait for the next :meth:`step`.
         """
         return self._drain(self._add_all(prompts, params, chat))
 

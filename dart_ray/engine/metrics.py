@@ -26,6 +26,9 @@ class EngineStats:
     accepted_tokens: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)
     generated_tokens: int = 0
+    """Tokens committed to requests' outputs (only grows; where a consumer ends a request at a stop
+    string it finds, :class:`~dart_ray.engine.async_engine.AsyncEngine`, the tokens a step committed
+    past it count too: the client's count is the server's ``vllm:generation_tokens``)."""
     prompt_tokens: int = 0
     finished_requests: int = 0
     draft_s: float = 0.0

@@ -311,11 +311,13 @@ def test_metrics_render():
     m = ServerMetrics("tiny")
     m.finished("stop", 0.3, 5, 7)
     m.ttft.observe(0.02)
+    for n in (16, 3):                    # tokens streamed to clients (not the engines' counts)
+        m.generated(n)
     ingress = IngressMetrics()                       # errors are counted where HTTP is answered
     ingress.error(400)
     stats = {"main": ("dart", {"row_steps": 10, "spec_row_steps": 10, "draft_tokens": 100,
                                "draft_depth_tokens": 30, "accepted_tokens": 6,
-                               "accepted_per_depth": [4, 2], "generated_tokens": 16,
+                               "accepted_per_depth": [4, 2], "generated_tokens": 99,
                                "prompt_tokens": 5}),
              "none": ("none", {"row_steps": 3, "draft_tokens": 0, "accepted_tokens": 0,
                                "accepted_per_depth": [], "generated_tokens": 3,
@@ -406,7 +408,9 @@ def test_engine_errors_map_to_http_statuses():
     from deployments.errors import engine_error
 
     cases = [(QueueFullError("full"), 503, "queue_full"),
-             (EngineDeadError("dead"), 503, "engine_unavailable"),
+             # a stopped engine thread is a lost replica: retryable elsewhere (it was a plain
+             # engine_unavailable, so a request queued at Serve's graceful stop was not retried)
+             (EngineDeadError("engine is shut down"), 503, "replica_lost"),
              (EngineStepError("boom"), 500, "engine_error"),
              (PromptTooLongError("long"), 400, "context_length_exceeded"),
              (ValueError("bad"), 400, "invalid_value"), (TypeError("bad"), 400, "invalid_value"),
@@ -615,10 +619,18 @@ def test_grafana_dashboard_reads_exported_metrics():
     ingress = IngressMetrics("i", "n")
     ingress.error(503)                               # so the errors family has a sample
     text = m.render({"main": ("dart", {})}, 0, 0, 2, ingress=ingress.snapshot())
-    samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    parsed = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    samples = {s.name for s in parsed}
     used = {m for e in exprs for m in re.findall(r"(?:vllm|dart_ray):[a-z0-9_]+", e)}
     assert used and not used - samples, used - samples
     assert all('model_name="$model_name"' in e for e in exprs)
+    # $replica lists engine replicas: a panel filtering by it must read engine-replica series
+    # (the ingress's error counter carries the ingress replica's labels: it showed nothing)
+    replica_of = {s.name: s.labels.get("replica") for s in parsed}
+    for e in exprs:
+        if '$replica' in e:
+            for name in re.findall(r"(?:vllm|dart_ray):[a-z0-9_]+", e):
+                assert replica_of[name] == "r", (name, e)
 
 
 # ---- issue 18: one decoding schedule per engine; lanes and /metrics read it ----------------------
@@ -636,19 +648,23 @@ def test_lanes_and_metrics_follow_the_loaded_profile(tiny_dirs):
     cfg = EngineConfig(method="dart", drafter="random", ngram="none", dtype="fp32",
                        max_batch_size=2, max_seq_len=128, adaptive=False)
     main = Engine(target, make_drafter(cfg, target), cfg)
-    # no profile: the config's
-    assert draft_positions({"main": main}) == DecodingConfig().draft_depth
+    # no profile: the config's (DART merges prompt-lookup paths of lookup_len tokens: deeper)
+    d = DecodingConfig()
+    assert draft_positions({"main": main}) == max(d.draft_depth, d.lookup_len) == 10
     profile = DecodingSchedule("lanes",
-                               ((1, DecodingConfig(draft_depth=3, tree_budget=5)),
-                                (1024, DecodingConfig(draft_depth=2, tree_budget=4, top_k=3))))
+                               ((1, DecodingConfig(draft_depth=3, tree_budget=5, lookup_len=6)),
+                                (1024, DecodingConfig(draft_depth=2, tree_budget=4, top_k=3,
+                                                      lookup_paths=0))))
+    assert profile.max_positions(lookups=True) == 6 and profile.max_positions(lookups=False) == 3
     main.set_decoding(profile)
     lane = lane_factory("ngram")(main)
     assert lane.config.method == "ngram" and lane.target is main.target
     assert lane.schedule == profile
     for b in (1, 2):
         assert lane.decoding_for(b) == main.decoding_for(b) == profile.for_batch_size(b)
-    assert draft_positions({"main": main}) == 3
-    assert draft_positions({"main": main, "ngram": lane}) == 3
+    assert draft_positions({"main": main}) == 6
+    assert draft_positions({"ngram": lane}) == 3
+    assert draft_positions({"main": main, "ngram": lane}) == 6
     ar = lane_factory("none")(main)
     assert draft_positions({"none": ar}) == 0  # plain AR lists none
     # the lane decodes with those knobs: at batch 1, trees of <= 5 nodes and <= 3 levels
@@ -872,6 +888,10 @@ def test_ingress_auth_is_one_dependency_of_every_route_but_health():
     status, _, resp = _asgi(app, "GET", "/v1/nope", None, ok)
     assert status == 404 and json.loads(resp)["error"]["code"] == "not_found"
     assert ingress.metrics.errors == {"401": 5, "404": 2}                  # counted where answered
+    # a scanner's paths outside the API are answered, not counted as request errors
+    for path in ("/nope", "/wp-login.php", "/v1"):
+        assert _asgi(app, "GET", path, None, ok)[0] == 404
+    assert ingress.metrics.errors == {"401": 5, "404": 2}
 
 
 def test_ingress_refuses_large_bodies_before_the_engine():
@@ -1276,4 +1296,7 @@ def test_drain_gate_refuses_new_generation_and_counts_open_requests():
     assert _asgi(app, "GET", "/health")[0] == 503
     assert _asgi(app, "GET", "/v1/models")[0] == 200
     assert len(engine.request_ids) == 1 and ingress.open_requests == 0
-    assert ingress.metrics.errors == {"503": 3}
+    # the two refused requests; a load balancer's /health probes are not request errors
+    for _ in range(3):
+        assert _asgi(app, "GET", "/health")[0] == 503
+    assert ingress.metrics.errors == {"503": 2}

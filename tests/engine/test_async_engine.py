@@ -414,4 +414,101 @@ def test_text_is_made_off_the_engine_thread_and_stop_strings_end_requests_there(
     assert last.finished and last.num_generated_tokens == len(want.token_ids)
     assert whole[0] == full.token_ids and whole[1] == full.text
     assert threads and aeng._thread not in threads
-    assert running == 0 and generated == len(want.token_ids) + len(full.token_ids)
+    # the engine's counter only grows: tokens a step committed past the stop string count too
+    assert running == 0 and generated >= len(want.token_ids) + len(full.token_ids)
+
+
+@pytest.mark.parametrize("detokenize", [True, False])
+def test_a_step_gives_each_request_one_delta(tiny_llama, detokenize):
+    """A request admitted in a step is decoded in it too; the step returns one delta per request
+    (it returned two for such a request, which a consumer timing deltas read as a 0 s gap), whose
+    tokens and text are both halves in order."""
+    engine = Engine.from_config(_cfg(tiny_llama, "ngram", adaptive=False))
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = [list(range(5, 15)) * 4, list(range(20, 27)) * 5]
+    want = [c.token_ids for c in engine.generate(prompts, sp)]
+    rids = [engine.add_request(p, sp) for p in prompts]
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    text: dict[str, str] = {r: "" for r in rids}
+    first = True
+    while engine.has_unfinished():
+        outs = engine.step(detokenize=detokenize)
+        ids = [o.request_id for o in outs]
+        assert len(ids) == len(set(ids)), ids
+        for o in outs:
+            if first:                      # admitted and decoded: the prefill token + a decode's
+                assert len(o.new_token_ids) >= 2
+            got[o.request_id] += o.new_token_ids
+            text[o.request_id] += o.new_text
+        first = False
+    assert [got[r] for r in rids] == want
+    if detokenize:
+        assert [text[r] for r in rids] == [engine.tokenizer.decode(w) for w in want]
+
+
+def test_a_submission_racing_shutdown_fails_instead_of_hanging(tiny_llama):
+    """``shutdown()`` from another thread between a submitter's health check and its hand-off to
+    the engine thread: the submission is refused (``EngineDeadError``); it used to land behind the
+    thread's stop and wait forever (requests, ``call`` and ``add_lane`` alike)."""
+    sp = SamplingParams(max_new_tokens=3)
+    submissions = {"request": lambda a: a.generate([5, 6, 7], sp),
+                   "call": lambda a: a.call(lambda e: 1),
+                   "add_lane": lambda a: a.add_lane("ar", lambda main: main)}
+    for kind, submit in submissions.items():
+        aeng = AsyncEngine(Engine.from_config(_cfg(tiny_llama, "none", max_batch_size=1)))
+        healthy = aeng.check_health
+
+        def check_health_then_lose_the_race(aeng=aeng, healthy=healthy):
+            healthy()                              # passes: not closed yet
+            t = threading.Thread(target=aeng.shutdown, kwargs={"timeout_s": 10})
+            t.start()
+            t.join()
+
+        aeng.check_health = check_health_then_lose_the_race
+
+        async def main(aeng=aeng, submit=submit):
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(submit(aeng), 10)
+
+        asyncio.run(main())
+        assert not aeng._thread.is_alive(), kind
+
+
+def test_a_stop_token_is_counted_and_its_text_left_out(tiny_llama):
+    """The server's path (text made on the event loop): a request a stop id ended keeps the id
+    and counts it, its text is not in the output, as the synchronous path does and vLLM does."""
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    eng = Engine.from_config(_cfg(tiny_llama, "ngram"))
+    full = eng.generate(PROMPTS[0], sp)[0].token_ids
+    stop = full[5]
+    first = full.index(stop)
+    aeng = AsyncEngine(eng)
+    try:
+        ids, text, last = asyncio.run(aeng.generate(
+            PROMPTS[0], SamplingParams(max_new_tokens=16, ignore_eos=True,
+                                       stop_token_ids=(stop,))))
+    finally:
+        aeng.shutdown()
+    assert ids == full[:first + 1] and last.finish_reason == "stop"
+    assert last.num_generated_tokens == first + 1
+    assert text == eng.tokenizer.decode(full[:first], skip_special_tokens=True)
+
+
+def test_outputs_of_step_driven_requests_survive_a_stream_running_the_steps(tiny_llama):
+    """A request added with ``add_request`` (its caller drives ``step()``) runs on while another
+    caller's ``generate`` steps the engine: its outputs from those steps come with the next
+    ``step()`` (they were dropped, and it finished without its caller ever seeing the end)."""
+    eng = Engine.from_config(_cfg(tiny_llama, "ngram", adaptive=False))
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = eng.generate(PROMPTS[0], sp)[0].token_ids
+    rid = eng.add_request(PROMPTS[0], sp)
+    got = [t for o in eng.step() for t in o.new_token_ids]
+    eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert eng.has_unfinished()
+    last = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.request_id == rid
+            got += o.new_token_ids
+            last = o
+    assert got == alone and last.finished and last.finish_reason == "length"

@@ -240,3 +240,54 @@ def test_a_tokenizer_that_cleans_up_spaces_loses_no_text_in_the_stream(tok):
         d = IncrementalDetokenizer(cleaning)
         got = "".join(d.push(c) for c in chunked(ids, iter(sizes * len(ids))))
         assert got == text, sizes
+
+
+def _sentencepiece_tokenizer():
+    """A Llama-2 / Mistral-style tokenizer: Metaspace pieces, and their tokenizer.json decoder,
+    which strips the leading space of the first token it decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁The": 3, "▁capital": 4, "▁of": 5, "▁France": 6,
+             "▁is": 7, "▁Paris": 8, ".": 9, "▁Lyon": 10}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+@pytest.mark.parametrize("chunks", [[[8, 9]], [[8], [9]]])
+def test_the_first_word_keeps_its_space_after_the_prompt(chunks):
+    """SentencePiece decoders strip the first decoded token's leading space: decoded alone, the
+    completion of "The capital of France is" read "Paris." (prompt + completion no longer gave
+    the text, a stop string starting with a space could not match). Decoded after the prompt's
+    last tokens, as vLLM does, it reads " Paris."."""
+    tok = _sentencepiece_tokenizer()
+    prompt = [1, 3, 4, 5, 6, 7]
+    text = RequestText(tok, prompt_ids=prompt)
+    got = "".join(text.push(c, i == len(chunks) - 1)[1] for i, c in enumerate(chunks))
+    assert got == " Paris."
+    assert tok.decode(prompt, skip_special_tokens=True) + got \
+        == tok.decode(prompt + [8, 9], skip_special_tokens=True)
+    stop = RequestText(tok, (" Paris",), prompt_ids=prompt)
+    assert stop.push([8, 9, 10], False) == ([8], "", True)          # found in the first token
+    late = RequestText(tok)                                          # prompt given afterwards
+    late.set_prompt(prompt)
+    assert late.push([8, 9], True)[1] == " Paris."
+
+
+def test_a_stop_token_counts_but_its_text_is_not_output(tok):
+    """A request a stop id ended (``stop_token_ids``): the id is kept and counted (usage), its text
+    is not in the output, as vLLM does with ``include_stop_str_in_output`` false (the default, and
+    the one value the server accepts)."""
+    ids = tok.encode(" sand Into the sea")
+    text = RequestText(tok)
+    first, rest = ids[:2], ids[2:]
+    assert text.push(first, False)[1] == tok.decode(first)
+    kept, delta, stopped = text.push(rest[:1], True, stop_id=True)
+    assert kept == rest[:1] and delta == "" and not stopped
+    assert text.num_tokens == 3 and text.detok.text == tok.decode(first)
+    with pytest.raises(ValueError, match="stop_id"):
+        RequestText(tok).push([5], False, stop_id=True)

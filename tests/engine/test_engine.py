@@ -194,6 +194,8 @@ def test_stop_token_and_max_tokens(tiny, ar_out):
     out = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=24, stop_token_ids=(target_tok,),
                                                   ignore_eos=True))[0]
     assert out.token_ids == ar_out[0][:first + 1] and out.finish_reason == "stop"
+    # the stop token is counted, its text left out (vLLM's include_stop_str_in_output=false)
+    assert out.text == eng.tokenizer.decode(ar_out[0][:first], skip_special_tokens=True)
     out = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
     assert out.token_ids == ar_out[0][:3] and out.finish_reason == "length"
 
