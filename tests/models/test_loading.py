@@ -23,7 +23,9 @@ from dart_ray.models import (
 from dart_ray.models.loading import (
     DEFAULT_MODEL_ID,
     MODEL_ID_FILE,
+    check_model,
     gguf_model_id,
+    gguf_rope_scaling,
     model_id_for,
     read_model_args,
 )
@@ -167,6 +169,15 @@ def test_args_refuse_quantised_checkpoints_and_read_rope_scaling_first():
     assert a.rope_theta == both["rope_parameters"]["rope_theta"]
     with pytest.raises(UnsupportedModelError, match="yarn"):
         ModelArgs.from_hf_config(both | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    # llama3 scaling without original_max_position_embeddings: the model's context, as
+    # transformers reads it (it was 8192 whatever the context)
+    l3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    for ctx in (2048, 131072):
+        a = ModelArgs.from_hf_config(hf_dict("llama") | {"rope_scaling": l3,
+                                                          "max_position_embeddings": ctx})
+        assert a.rope_scaling["original_max_position_embeddings"] == ctx
+    # "swish" is transformers' other name for SiLU
+    assert ModelArgs.from_hf_config(hf_dict("llama") | {"hidden_act": "swish"})
 
 
 @pytest.mark.parametrize("change, word", [
@@ -335,8 +346,10 @@ def test_corrupt_gguf_body_leaves_no_cache(tmp_path, monkeypatch):
 
 
 def write_tiny_gguf(path: Path, tokenizer_fields: dict, arch: str = "llama",
-                    rope_kv: dict | None = None, extra_tensors: dict | None = None) -> Path:
-    """A 1-layer random GGUF of ``arch`` with SmolLM2's tokenizer metadata (fp32 tensors)."""
+                    rope_kv: dict | None = None, extra_tensors: dict | None = None,
+                    drop: tuple[str, ...] = ()) -> Path:
+    """A 1-layer random GGUF of ``arch`` with SmolLM2's tokenizer metadata (fp32 tensors);
+    ``rope_kv``: further GGUFWriter calls (name -> value), ``drop``: tensors left out."""
     import gguf
     import numpy as np
 
@@ -353,8 +366,8 @@ def write_tiny_gguf(path: Path, tokenizer_fields: dict, arch: str = "llama",
     w.add_rope_dimension_count(hidden // heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    for name, value in (rope_kv or {}).items():
-        getattr(w, name)(value)
+    for name, value in (rope_kv or {}).items():         # a tuple: the call's arguments
+        getattr(w, name)(*value) if isinstance(value, tuple) else getattr(w, name)(value)
     for name, value in tokenizer_fields.items():
         getattr(w, name)(value)
     hd = hidden // heads
@@ -366,7 +379,8 @@ def write_tiny_gguf(path: Path, tokenizer_fields: dict, arch: str = "llama",
               "blk.0.ffn_gate.weight": (ffn, hidden), "blk.0.ffn_up.weight": (ffn, hidden),
               "blk.0.ffn_down.weight": (hidden, ffn)}
     for name, shape in shapes.items():
-        w.add_tensor(name, rng.normal(0, 0.3, shape).astype(np.float32))
+        if name not in drop:
+            w.add_tensor(name, rng.normal(0, 0.3, shape).astype(np.float32))
     for name, value in (extra_tensors or {}).items():
         w.add_tensor(name, value)
     w.write_header_to_file()
@@ -426,9 +440,28 @@ def test_gguf_rope_scaling_kept_and_what_cannot_run_refused_before_converting(
     assert torch.allclose(got, want, atol=1e-4)
     assert (unscaled - want).abs().max() > 1e-2              # the scaling matters here
 
+    # as llama.cpp reads the header: the type defaults to linear, the factor may sit under the
+    # old key (the 2023 converter's); a linear type without a factor (or 1) is no scaling
+    for name, kv, want in (
+            ("notype", {"add_rope_scaling_factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+            ("oldkey", {"add_float32": ("llama.rope.scale_linear", 4.0)},
+             {"rope_type": "linear", "factor": 4.0}),
+            ("nofactor", {"add_rope_scaling_type": RopeScalingType.LINEAR}, None)):
+        g = write_tiny_gguf(tmp_path / f"{name}.gguf", fields, rope_kv=kv)
+        assert gguf_rope_scaling(g) == want, name
+
     before = set(p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock"))
     refused = {
         "gemma2": write_tiny_gguf(tmp_path / "g.gguf", fields, arch="gemma2"),
+        # transformers' conversion cannot run these (it failed after Ray had started)
+        "'mistral'": write_tiny_gguf(tmp_path / "m.gguf", fields, arch="mistral"),
+        "head dim 32": write_tiny_gguf(tmp_path / "q3.gguf", fields, arch="qwen3", rope_kv={
+            "add_key_length": 32, "add_value_length": 32}),
+        # converted, these loaded silently with random MLPs / without their biases
+        "mixture-of-experts": write_tiny_gguf(tmp_path / "moe.gguf", fields, rope_kv={
+            "add_expert_count": 2, "add_expert_used_count": 1}),
+        "attn_q.bias": write_tiny_gguf(tmp_path / "b.gguf", fields, extra_tensors={
+            "blk.0.attn_q.bias": np.zeros(32, np.float32)}),
         "rope_freqs": write_tiny_gguf(tmp_path / "f.gguf", fields, extra_tensors={
             "rope_freqs.weight": np.ones(4, np.float32)}),
         "'yarn'": write_tiny_gguf(tmp_path / "y.gguf", fields, rope_kv={
@@ -438,8 +471,29 @@ def test_gguf_rope_scaling_kept_and_what_cannot_run_refused_before_converting(
         with pytest.raises(UnsupportedModelError, match=word) as ei:
             load_target(str(g), "fp32")
         assert str(g) in str(ei.value)
+    # an incomplete file (transformers initialised the missing weights randomly, and cached them)
+    for name in ("blk.0.ffn_down.weight", "blk.0.attn_k.weight"):
+        g = write_tiny_gguf(tmp_path / f"no-{name}.gguf", fields, drop=(name,))
+        with pytest.raises(ModelLoadError, match=f"missing tensors.*{name}"):
+            check_model(str(g))
     after = set(p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock"))
     assert after == before
+
+
+def test_weights_the_gguf_conversion_did_not_read_are_refused_not_cached(
+        tmp_path, monkeypatch, smollm_tokenizer_fields):
+    """Behind the header's tensor check: weights transformers' conversion reports missing (it
+    initialises them randomly and only logs it) fail the load, and nothing is cached."""
+    import dart_ray.models.loading as loading
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DART_RAY_CACHE", str(cache))
+    monkeypatch.setattr(loading, "_check_gguf_tensors", lambda *a: None)
+    g = write_tiny_gguf(tmp_path / "hole.gguf", smollm_tokenizer_fields,
+                        drop=("blk.0.ffn_down.weight",))
+    with pytest.raises(ModelLoadError, match="did not read 1 weights.*down_proj"):
+        load_target(str(g), "fp32")
+    assert not [p for p in (cache / "gguf").iterdir() if not p.name.startswith(".")]
 
 
 def test_torch_dtype():
