@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -38,6 +39,8 @@ import torch
 from dart_ray.model_ref import ModelLoadError, check_gguf_header, locate_model
 from dart_ray.models.args import ModelArgs, UnsupportedModelError
 from dart_ray.models.llama import Transformer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 MODEL_ID_FILE = "dart_ray_model_id.txt"
@@ -310,8 +313,16 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
 
     out = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
     if not args.tie_word_embeddings:
-        out["lm_head.weight"] = (state["lm_head.weight"] if "lm_head.weight" in state
-                                 else take("embed_tokens.weight"))
+        if "lm_head.weight" not in state:   # a base model saved without its head (vLLM refuses)
+            raise ModelLoadError("the config unties the LM head (tie_word_embeddings false) but "
+                                 "the checkpoint has no lm_head.weight: it is a base model "
+                                 "without its head")
+        out["lm_head.weight"] = state["lm_head.weight"]
+    elif "lm_head.weight" in state and not torch.equal(state["lm_head.weight"],
+                                                       out["embed.weight"]):
+        log.warning("tie_word_embeddings is true but the checkpoint also holds a different "
+                    "lm_head.weight: the head is tied to the embedding (as vLLM does; "
+                    "transformers 5 would use the stored head)")
     for i in range(args.num_layers):
         p = f"layers.{i}."
         out[p + "attn_norm.weight"] = take(p + "input_layernorm.weight")

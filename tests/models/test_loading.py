@@ -538,6 +538,22 @@ def test_load_tied(tmp_path, smollm_dir):
     assert tgt.model.lm_head.weight is tgt.model.embed.weight
 
 
+def test_an_untied_config_without_its_head_is_refused(tmp_path, smollm_dir):
+    """tie_word_embeddings false and no lm_head.weight (a base model saved without its head): it
+    ran with the embedding as its head, silently (vLLM refuses it; transformers initialises a
+    random head)."""
+    from conftest import make_tiny_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    d = make_tiny_checkpoint(tmp_path / "headless", "llama", smollm_dir, seed=4)
+    for f in d.glob("*.safetensors"):
+        state = load_file(str(f))
+        state.pop("lm_head.weight", None)
+        save_file(state, str(f))
+    with pytest.raises(ModelLoadError, match="no lm_head.weight"):
+        load_target(str(d), "fp32", max_seq_len=64)
+
+
 def test_default_model_is_cached(smollm_dir, smollm_fp32):
     d = resolve_model_dir(None)
     assert d == smollm_dir == resolve_model_dir("default")
