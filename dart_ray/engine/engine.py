@@ -121,13 +121,20 @@ def one_delta_per_request(outputs: list[RequestOutput]) -> list[RequestOutput]:
     """A step's deltas with one per request, in first-seen order: a request admitted in a step is
     decoded in it too (its prefill token, then its first decode's), and a consumer that times
     deltas (inter-token latency) must not see a 0 s gap between two halves of one step."""
-    merged: dict[str, RequestOutput] = {}
+    merged: list[RequestOutput] = []
+    open_at: dict[str, int] = {}      # request id -> index of its unfinished delta in merged
     for o in outputs:
-        first = merged.get(o.request_id)
-        merged[o.request_id] = o if first is None else dataclasses.replace(
-            o, new_token_ids=first.new_token_ids + o.new_token_ids,
-            new_text=first.new_text + o.new_text)
-    return list(merged.values())
+        i = open_at.get(o.request_id)
+        if i is None:                 # never into a finished delta (a reused id is a new request)
+            i = open_at[o.request_id] = len(merged)
+            merged.append(o)
+        else:
+            first = merged[i]
+            merged[i] = dataclasses.replace(o, new_token_ids=first.new_token_ids + o.new_token_ids,
+                                            new_text=first.new_text + o.new_text)
+        if merged[i].finished:
+            del open_at[o.request_id]
+    return merged
 
 
 class Engine:
@@ -331,6 +338,8 @@ class Engine:
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
+        if any(o.request_id == rid for o in self._unclaimed):
+            raise ValueError(f"request id {rid!r} has outputs the next step() returns: step first")
         rand = None if params.greedy else RequestRandom(params.seed, device=self.device)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -352,7 +361,12 @@ class Engine:
         if req.row >= 0:
             self._release([req])
         self.requests.pop(request_id, None)
-        out = self._output(req, [], "")
+        # outputs a stream's steps made for it and no step() returned yet: in its final output
+        held = [o for o in self._unclaimed if o.request_id == request_id]
+        if held:
+            self._unclaimed = [o for o in self._unclaimed if o.request_id != request_id]
+        out = self._output(req, [t for o in held for t in o.new_token_ids],
+                           "".join(o.new_text for o in held))
         if request_id in self._streams:        # an open stream owns it: it ends with this output
             self._streams[request_id].append(out)
         return out
@@ -395,7 +409,9 @@ class Engine:
     def _abort_all(self) -> None:
         for rid in list(self.requests):
             try:
-                self.abort(rid)
+                out = self.abort(rid)
+                if out is not None and rid not in self._streams:
+                    self._unclaimed.append(out)    # an add_request's: the next step() ends it
             except Exception:  # noqa: BLE001 - the others must still end
                 log.exception("abort of %s after a failed step failed", rid)
 

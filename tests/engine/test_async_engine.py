@@ -512,3 +512,41 @@ def test_outputs_of_step_driven_requests_survive_a_stream_running_the_steps(tiny
             got += o.new_token_ids
             last = o
     assert got == alone and last.finished and last.finish_reason == "length"
+
+
+def test_held_outputs_end_with_their_request_and_never_merge_into_a_new_one(tiny_llama):
+    """Outputs a stream's steps made for an ``add_request`` request and no ``step()`` returned yet:
+    ``abort()`` returns them inside its final output (nothing follows it), a failed step ends
+    such a request with a final output at the next ``step()``, and its id cannot be reused until
+    they are returned (the next step merged the old request's final delta into the new one's)."""
+    eng = Engine.from_config(_cfg(tiny_llama, "ngram", adaptive=False))
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    eng.add_request(PROMPTS[0], sp, request_id="A")
+    seen = [t for o in eng.step() for t in o.new_token_ids]
+    for _ in eng.stream(PROMPTS[1], SamplingParams(max_new_tokens=3, ignore_eos=True)):
+        pass
+    final = eng.abort("A")
+    assert final.finished and final.finish_reason == "abort"
+    assert len(seen) + len(final.new_token_ids) == final.num_generated_tokens > len(seen)
+    assert eng.step() == [] and not eng.has_unfinished()
+
+    eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=2, ignore_eos=True),
+                    request_id="B")
+    for _ in eng.stream(PROMPTS[1], SamplingParams(max_new_tokens=8, ignore_eos=True)):
+        pass                                               # B finished in the stream's steps
+    with pytest.raises(ValueError, match="step first"):
+        eng.add_request(PROMPTS[0], sp, request_id="B")
+    (done,) = eng.step()
+    assert done.request_id == "B" and done.finished and done.num_generated_tokens == 2
+    eng.add_request(PROMPTS[0], sp, request_id="B")       # now a new request of that id
+
+    def failing_decode(*a, **kw):
+        raise RuntimeError("boom")
+
+    eng.step()                                             # B admitted
+    eng._decode = failing_decode
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.step()
+    (end,) = eng.step()
+    assert end.request_id == "B" and end.finished and end.finish_reason == "abort"
+    assert not eng.has_unfinished()
