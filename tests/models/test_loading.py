@@ -440,6 +440,8 @@ def test_gguf_rope_scaling_kept_and_what_cannot_run_refused_before_converting(
     assert torch.allclose(got, want, atol=1e-4)
     assert (unscaled - want).abs().max() > 1e-2              # the scaling matters here
 
+    # header-only checks need no tokenizer (reading SmolLM2's 49k tokens costs ~3 s a file)
+    header = {}
     # as llama.cpp reads the header: the type defaults to linear, the factor may sit under the
     # old key (the 2023 converter's); a linear type without a factor (or 1) is no scaling
     for name, kv, want in (
@@ -447,24 +449,24 @@ def test_gguf_rope_scaling_kept_and_what_cannot_run_refused_before_converting(
             ("oldkey", {"add_float32": ("llama.rope.scale_linear", 4.0)},
              {"rope_type": "linear", "factor": 4.0}),
             ("nofactor", {"add_rope_scaling_type": RopeScalingType.LINEAR}, None)):
-        g = write_tiny_gguf(tmp_path / f"{name}.gguf", fields, rope_kv=kv)
+        g = write_tiny_gguf(tmp_path / f"{name}.gguf", header, rope_kv=kv)
         assert gguf_rope_scaling(g) == want, name
 
     before = set(p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock"))
     refused = {
-        "gemma2": write_tiny_gguf(tmp_path / "g.gguf", fields, arch="gemma2"),
+        "gemma2": write_tiny_gguf(tmp_path / "g.gguf", header, arch="gemma2"),
         # transformers' conversion cannot run these (it failed after Ray had started)
-        "'mistral'": write_tiny_gguf(tmp_path / "m.gguf", fields, arch="mistral"),
-        "head dim 32": write_tiny_gguf(tmp_path / "q3.gguf", fields, arch="qwen3", rope_kv={
+        "'mistral'": write_tiny_gguf(tmp_path / "m.gguf", header, arch="mistral"),
+        "head dim 32": write_tiny_gguf(tmp_path / "q3.gguf", header, arch="qwen3", rope_kv={
             "add_key_length": 32, "add_value_length": 32}),
         # converted, these loaded silently with random MLPs / without their biases
-        "mixture-of-experts": write_tiny_gguf(tmp_path / "moe.gguf", fields, rope_kv={
+        "mixture-of-experts": write_tiny_gguf(tmp_path / "moe.gguf", header, rope_kv={
             "add_expert_count": 2, "add_expert_used_count": 1}),
-        "attn_q.bias": write_tiny_gguf(tmp_path / "b.gguf", fields, extra_tensors={
+        "attn_q.bias": write_tiny_gguf(tmp_path / "b.gguf", header, extra_tensors={
             "blk.0.attn_q.bias": np.zeros(32, np.float32)}),
-        "rope_freqs": write_tiny_gguf(tmp_path / "f.gguf", fields, extra_tensors={
+        "rope_freqs": write_tiny_gguf(tmp_path / "f.gguf", header, extra_tensors={
             "rope_freqs.weight": np.ones(4, np.float32)}),
-        "'yarn'": write_tiny_gguf(tmp_path / "y.gguf", fields, rope_kv={
+        "'yarn'": write_tiny_gguf(tmp_path / "y.gguf", header, rope_kv={
             "add_rope_scaling_type": RopeScalingType.YARN, "add_rope_scaling_factor": 4.0}),
     }
     for word, g in refused.items():
@@ -473,7 +475,7 @@ def test_gguf_rope_scaling_kept_and_what_cannot_run_refused_before_converting(
         assert str(g) in str(ei.value)
     # an incomplete file (transformers initialised the missing weights randomly, and cached them)
     for name in ("blk.0.ffn_down.weight", "blk.0.attn_k.weight"):
-        g = write_tiny_gguf(tmp_path / f"no-{name}.gguf", fields, drop=(name,))
+        g = write_tiny_gguf(tmp_path / f"no-{name}.gguf", header, drop=(name,))
         with pytest.raises(ModelLoadError, match=f"missing tensors.*{name}"):
             check_model(str(g))
     after = set(p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock"))
