@@ -383,8 +383,12 @@ class AsyncEngine:
         must only read; the engine thread may be mid-step, so one reading can mix two steps'
         values (each counter only grows)."""
         with self._lock:
-            engines = {name: ln.engine for name, ln in self._lanes.items()}
+            engines = self._engines()
         return fn(engines)
+
+    def _engines(self) -> dict[str, Engine]:
+        """Lane name -> its engine."""
+        return {name: ln.engine for name, ln in self._lanes.items()}
 
     async def encode(self, prompt, chat: bool = False,
                      add_special_tokens: bool | None = None) -> list[int]:
@@ -505,7 +509,7 @@ class AsyncEngine:
             if not c.future.set_running_or_notify_cancel():
                 return
             try:
-                target = ({k: ln.engine for k, ln in self._lanes.items()} if c.lane is None
+                target = (self._engines() if c.lane is None
                           else self._lanes[c.lane].engine)
                 c.future.set_result(c.fn(target))
             except BaseException as e:  # noqa: BLE001

@@ -391,8 +391,9 @@ class Engine:
         with a :class:`~dart_ray.engine.detok.RequestText` per request, off this step loop, and
         aborts a request a stop string ended (:class:`~dart_ray.engine.AsyncEngine` does)."""
         outputs: list[RequestOutput] = []
+        admitted = bool(self.waiting) and len(self.running) < self.max_batch
         try:
-            if self.waiting and len(self.running) < self.max_batch:
+            if admitted:
                 self._admit(outputs, detokenize)
             if self.running:
                 self._decode(outputs, detokenize)
@@ -404,6 +405,8 @@ class Engine:
             raise
         if self._unclaimed:          # what steps a stream ran made for add_request's requests
             outputs, self._unclaimed = self._unclaimed + outputs, []
+        elif not admitted:           # a decode-only step has one delta per request already
+            return outputs
         return one_delta_per_request(outputs)
 
     def _abort_all(self) -> None:
